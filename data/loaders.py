@@ -1,0 +1,161 @@
+"""Math problems from their public schemas, as `Problem(problem, answer, id)` rows.
+
+    load_problems("math500", data_dir="bench")            # bench/math500_test.jsonl (also gsm8k, aime24, aime25, amc23)
+    load_problems("dapo17k", data_dir="train_data")       # train_data/dapo17k_train.{jsonl,parquet} (also math_train, gsm8k_train)
+    load_problems("my.jsonl", problem_key="q", answer_key="a")   # any JSONL or parquet file, fields named explicitly
+    load_problems("hf:openai/gsm8k:main:test")            # hf:NAME[:CONFIG][:SPLIT] via `datasets` (optional)
+    load_problems("tiny")                                 # the embedded task's held-out split (data/tiny_task.py)
+
+Schemas recognised without a field mapping: `problem`/`question`/`prompt` (a string, or a list of chat messages
+whose last user turn is the problem, as in DAPO-Math-17k); the answer is `reward_model.ground_truth`, else
+`answer` (GSM8K: the text after `####`; numbers: 27.0 -> "27"), else `solution` (its last \\boxed{...}, or the
+whole string when it has none). Answers are not normalised here: equivalence is the verifier's job.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Problem:
+    problem: str  # the question text, without any prompt template
+    answer: str  # gold answer as written in the source ("025", "70,000", "\\frac{14}{3}")
+    id: str  # stable id from the source when it has one, else "{source}-{row}"
+    source: str = ""  # benchmark name or file stem
+
+
+NAMED = {  # name -> file stem in data_dir; benchmarks ship as JSONL, training sets may also be parquet
+    "math500": "math500_test", "gsm8k": "gsm8k_test", "aime24": "aime24_test", "aime25": "aime25_test",
+    "amc23": "amc23_test", "math_train": "math_train", "dapo17k": "dapo17k_train", "gsm8k_train": "gsm8k_train",
+}
+# DAPO-Math-17k wraps each problem in an "Answer: $Answer" instruction; strip it so every source gives bare problems.
+_DAPO_HEAD = re.compile(r"^Solve the following math problem step by step\..*?\n\n", re.DOTALL)
+_DAPO_TAIL = re.compile(r"\n\nRemember to put your answer on its own line after \"Answer:\"\.\s*$")
+
+
+def load_problems(spec: str, *, data_dir: str | None = None, problem_key: str | None = None,
+                  answer_key: str | None = None, limit: int | None = None) -> list[Problem]:
+    """Problems for a benchmark name, a .jsonl/.parquet path, `hf:NAME[:CONFIG][:SPLIT]`, or "tiny"."""
+    if spec == "tiny":
+        from data.tiny_task import load_tiny  # lazy: only the embedded task needs it
+        problems = load_tiny("test", limit or 500)  # the fixed held-out split
+    else:
+        source, rows, where = _read_rows(spec, data_dir, limit)
+        problems = [_to_problem(row, i, source, where, problem_key, answer_key) for i, row in enumerate(rows)]
+    if not problems:
+        raise ValueError(f"{spec}: no problems found (empty dataset)")
+    return problems
+
+
+def _read_rows(spec: str, data_dir: str | None, limit: int | None) -> tuple[str, list[dict], str]:
+    """(source name, raw rows, where-string for error messages)."""
+    if spec.startswith("hf:"):
+        return spec, _read_hub(spec, limit), spec
+    if spec in NAMED:
+        if not data_dir:
+            raise ValueError(f"benchmark {spec!r} needs data_dir (the folder holding {NAMED[spec]}.jsonl)")
+        stem = Path(data_dir) / NAMED[spec]
+        path = next((p for p in (stem.with_suffix(".jsonl"), stem.with_suffix(".parquet")) if p.exists()), None)
+        if path is None:
+            raise FileNotFoundError(f"{stem}.jsonl not found (nor .parquet) for benchmark {spec!r}")
+        source = spec
+    elif spec.endswith((".jsonl", ".parquet")) or Path(spec).exists():
+        path, source = Path(spec), Path(spec).stem
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found")
+    else:
+        raise ValueError(f"unknown benchmark {spec!r}; expected tiny, {', '.join(NAMED)}, a .jsonl/.parquet path or hf:NAME")
+    rows = _read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path, limit)
+    return source, rows[:limit], str(path)
+
+
+def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Rows of a JSONL file (blank lines skipped); a bad line raises ValueError naming file and line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise TypeError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pandas as pd  # optional: only parquet needs it
+    except ImportError:
+        raise ImportError(f"reading {path} needs pandas and pyarrow: pip install pandas pyarrow") from None
+    return pd.read_parquet(path).to_dict("records")
+
+
+def _read_hub(spec: str, limit: int | None) -> list[dict]:
+    try:
+        import datasets  # optional: only hub names need it
+    except ImportError:
+        raise ImportError(f"{spec} needs the `datasets` package: pip install datasets") from None
+    name, *rest = spec[3:].split(":")
+    config, split = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0] if rest else "train")
+    ds = datasets.load_dataset(name, config, split=split)
+    return [dict(r) for r in (ds.select(range(min(limit, len(ds)))) if limit is not None else ds)]
+
+
+def _to_problem(row: dict, i: int, source: str, where: str, problem_key: str | None, answer_key: str | None) -> Problem:
+    pkeys = [problem_key] if problem_key else ["problem", "question", "prompt"]
+    akeys = [answer_key] if answer_key else ["reward_model.ground_truth", "answer", "solution"]
+    pkey = next((k for k in pkeys if _get(row, k) is not None), None)
+    akey = next((k for k in akeys if _get(row, k) is not None), None)
+    if pkey is None or akey is None:
+        what, tried = ("problem", pkeys) if pkey is None else ("answer", akeys)
+        raise ValueError(f"{where}: row {i} has no {what} field (tried {'/'.join(tried)}; pass {what}_key)")
+    problem, answer = _get(row, pkey), _get(row, akey)
+    if not isinstance(problem, str):  # chat messages: the problem is the last user turn
+        problem = [m["content"] for m in problem if m.get("role") == "user"][-1]
+    problem = _DAPO_TAIL.sub("", _DAPO_HEAD.sub("", problem))
+    if isinstance(answer, str) and "####" in answer:  # GSM8K: worked solution, then "#### 70,000"
+        answer = answer.rsplit("####", 1)[1]
+    elif isinstance(answer, str) and akey == "solution":  # MATH train: the answer is the solution's last \boxed{}
+        answer = last_boxed(answer) or answer
+    rid = row.get("id", row.get("unique_id"))
+    return Problem(problem.strip(), _as_text(answer), f"{source}-{i}" if rid is None else str(rid), source)
+
+
+def _get(row: dict, key: str):
+    """A field or None; a dotted key reads a nested dict ("reward_model.ground_truth")."""
+    value = row
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value.tolist() if hasattr(value, "tolist") else value  # parquet gives numpy arrays and scalars
+
+
+def _as_text(value) -> str:
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):  # AMC stores 27.0: the integer it means, else the float as written
+        return str(int(value)) if float(value).is_integer() else repr(float(value))
+    return str(value).strip()
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} in `text`, with nested braces balanced; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{") - 1
+    for j in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[begin + 1 : j]
+    return None

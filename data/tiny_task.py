@@ -1,0 +1,128 @@
+"""The embedded task: seeded procedural arithmetic with worked solutions ending in \\boxed{...}.
+
+Four problem kinds, chosen so the verifier has real work to do:
+  add   `47+-18`     → `29`       integers, negatives
+  mul   `-7*12`      → `-84`
+  frac  `3/4+5/6`    → `19/12`    compare by value: `38/24` is also right
+  lin   `3x+4=10`    → `2`        a linear equation in x; answers may be fractions (`5/2`)
+
+Usage:
+  python -m data.tiny_task --split test --n 500 --out tiny_test.jsonl   # MATH-500-shaped JSONL
+
+The held-out split is fixed (its own seed, independent of the training seed) and no training problem
+equals a held-out problem. Difficulty knobs: `max_int` (operand size), `max_den` (fraction denominators),
+`kinds` (the mix, as `kind:weight` pairs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from fractions import Fraction
+from math import lcm
+
+TEST_SEED = 1234  # the held-out split never changes with the training seed
+DEFAULT_KINDS = "add:3,mul:2,frac:2,lin:2"
+
+
+def _frac(f: Fraction) -> str:
+    return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
+
+
+def make_problem(rng: random.Random, kind: str, max_int: int, max_den: int) -> dict:
+    """One problem with its gold answer and a short worked solution (the SFT target)."""
+    if kind == "add":
+        a, b = rng.randint(-max_int, max_int), rng.randint(-max_int, max_int)
+        op = rng.choice("+-")
+        ans = a + b if op == "+" else a - b
+        problem = f"{a}{op}{b}"
+        work = ""
+    elif kind == "mul":
+        a, b = rng.randint(-9, 9), rng.randint(-max_int // 2, max_int // 2)
+        ans = a * b
+        problem = f"{a}*{b}"
+        work = ""
+    elif kind == "frac":
+        n1, d1 = rng.randint(1, max_den), rng.randint(2, max_den)
+        n2, d2 = rng.randint(1, max_den), rng.randint(2, max_den)
+        op = rng.choice("+-")
+        x, y = Fraction(n1, d1), Fraction(n2, d2)
+        ans = x + y if op == "+" else x - y
+        m = lcm(d1, d2)
+        a, b = n1 * m // d1, n2 * m // d2
+        raw = a + b if op == "+" else a - b
+        problem = f"{n1}/{d1}{op}{n2}/{d2}"
+        work = f"{a}/{m}{op}{b}/{m}={raw}/{m}"
+        if Fraction(raw, m).denominator != m:  # show the reduction only when there is one
+            work += f"={_frac(ans)}"
+    elif kind == "lin":
+        a = rng.choice([c for c in range(-5, 6) if c != 0])
+        x = Fraction(rng.randint(-9, 9), rng.choice([1, 1, 1, 2]))
+        b = rng.randint(-max_int // 2, max_int // 2)
+        c = a * x + b
+        if c.denominator != 1:  # keep the right-hand side an integer
+            return make_problem(rng, kind, max_int, max_den)
+        c = int(c)
+        ax = "x" if a == 1 else "-x" if a == -1 else f"{a}x"
+        sign = "+" if b >= 0 else "-"
+        problem = f"{ax}{sign}{abs(b)}={c}"
+        rhs = c - b
+        work = f"{ax}={rhs}, x={rhs}/{a}"
+    else:
+        raise ValueError(f"unknown tiny task kind {kind!r}; expected add, mul, frac or lin")
+    answer = _frac(Fraction(ans)) if kind != "lin" else _frac(x)
+    solution = (work + " " if work else "") + f"\\boxed{{{answer}}}"  # worked steps, then the box
+    return {"problem": problem, "answer": answer, "solution": solution, "kind": kind}
+
+
+def parse_kinds(kinds: str) -> tuple[list[str], list[float]]:
+    names, weights = [], []
+    for part in kinds.split(","):
+        name, _, w = part.partition(":")
+        names.append(name.strip())
+        weights.append(float(w) if w else 1.0)
+    return names, weights
+
+
+def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 50, max_den: int = 9, kinds: str = DEFAULT_KINDS) -> list[dict]:
+    """`n` distinct problems. `split="test"` uses the fixed TEST_SEED; `"train"` uses `seed` and skips test problems."""
+    names, weights = parse_kinds(kinds)
+    rng = random.Random(TEST_SEED if split == "test" else 10_000 + seed)
+    held_out = set()
+    if split == "train":
+        held_out = {p["problem"] for p in make_split("test", 500, max_int=max_int, max_den=max_den, kinds=kinds)}
+    seen, out = set(), []
+    for _ in range(n * 50):
+        p = make_problem(rng, rng.choices(names, weights)[0], max_int, max_den)
+        if p["problem"] in seen or p["problem"] in held_out:
+            continue
+        seen.add(p["problem"])
+        p["unique_id"] = f"tiny/{split}/{len(out)}"
+        out.append(p)
+        if len(out) == n:
+            return out
+    raise ValueError(f"tiny task: only {len(out)} distinct problems for n={n}; raise max_int or max_den")
+
+
+def load_tiny(split: str, n: int = 500, seed: int = 0, **difficulty) -> list:
+    """The tiny task as `data.loaders.Problem` rows (the shape every other dataset loads into)."""
+    from data.loaders import Problem
+
+    return [Problem(p["problem"], p["answer"], p["unique_id"], "tiny") for p in make_split(split, n, seed, **difficulty)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split", choices=["train", "test"], default="test")
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    with open(a.out, "w") as f:
+        for p in make_split(a.split, a.n, a.seed):
+            f.write(json.dumps(p) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Evaluate a checkpoint on math benchmarks, and compare finished training runs by replay strategy.
+
+Usage:
+  python eval.py --model data/tiny_model --benchmarks tiny --k 8 --max-new-tokens 48 --template "{problem}"
+  python eval.py --model Qwen/Qwen2.5-Math-1.5B --benchmarks math500,gsm8k,aime24,aime25,amc23 \\
+      --data-dir /path/to/benchmarks --k 8 --temperature 0.6 --limit 100 --out-dir eval_results/qwen1.5b
+  python eval.py --model CKPT --benchmarks my.jsonl --problem-key question --answer-key final
+  python eval.py --compare runs/none-s0 runs/none-s1 runs/fifo-s0 runs/fifo-s1 --out-dir eval_results/compare
+
+Metrics, k samples per problem, averaged over problems ("macro" weighs every benchmark equally):
+  avg@k   mean accuracy of the k samples (the unbiased estimate of pass@1)
+  pass@k  Chen et al. (2021) unbiased estimator 1 - C(n-c, k)/C(n, k); here n = k samples per problem
+  maj@k   the most frequent extracted answer is correct
+  tokens  mean response tokens (EOS included); trunc: fraction of responses that hit --max-new-tokens
+  AES     O1-Pruner's accuracy-efficiency score against a baseline (see `aes`), used by --compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+import rewards
+from data.loaders import NAMED, Problem, load_problems, read_jsonl
+from rollout import format_prompt, generate
+
+DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples, drawn without replacement from n with c correct, is correct."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # exact integers, one division
+
+
+def avg_at_k(correct: list[bool]) -> float:
+    return sum(correct) / len(correct)
+
+
+def _vote_key(answer: str) -> str:
+    """Light normalisation so that `\\dfrac{1}{2}` and `\\frac{1}{2} ` vote together; the verifier does the rest."""
+    s = re.sub(r"\\left|\\right|\\[!,; ]|\s|\$", "", answer)
+    return s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").rstrip(".")
+
+
+def maj_at_k(answers: list[str | None], correct: list[bool]) -> float:
+    """1.0 if the most frequent answer is correct. Every correct answer equals the gold, so all correct samples
+    form one vote bucket; wrong ones vote by their normalised text. Samples without an answer do not vote, and
+    ties go to the answer seen first (samples are in random order, so this favours no answer)."""
+    votes = Counter()
+    for answer, ok in zip(answers, correct, strict=True):
+        if ok:
+            votes[True] += 1  # a bool key never collides with an answer string
+        elif answer is not None:
+            votes[_vote_key(answer)] += 1
+    return float(bool(votes) and votes.most_common(1)[0][0] is True)
+
+
+def aes(L: float, A: float, L_b: float, A_b: float, alpha: float = 1.0, beta: float = 3.0, gamma: float = 5.0) -> float:
+    """O1-Pruner's accuracy-efficiency score of (length L, accuracy A) against a baseline (L_b, A_b).
+    Shorter is rewarded by alpha; an accuracy gain by beta, a loss penalised by gamma. NaN if the baseline is 0."""
+    if L_b <= 0 or A_b <= 0:
+        return math.nan
+    dL, dA = (L_b - L) / L_b, (A - A_b) / A_b
+    return alpha * dL + beta * abs(dA) if dA >= 0 else alpha * dL - gamma * abs(dA)
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def evaluate(model, tokenizer, problems: list[Problem], *, k: int, temperature: float, top_p: float,
+             max_new_tokens: int, batch_size: int, template: str, reward_cfg) -> dict[str, float]:
+    """Sample k completions per problem and verify them: accuracy (= avg@k), pass@k, maj@k, response_len, ...
+    Flat scalars, so train.py can log them as `eval/<key>`."""
+    records = sample_and_score(model, tokenizer, problems, k=k, temperature=temperature, top_p=top_p,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, template=template, reward_cfg=reward_cfg)
+    return summarize(records)
+
+
+def sample_and_score(model, tokenizer, problems: list[Problem], *, k: int, temperature: float, top_p: float,
+                     max_new_tokens: int, batch_size: int, template: str, reward_cfg, desc: str | None = None) -> list[dict]:
+    """One record per problem: per-sample correctness, extracted answers, token counts. tqdm bar if `desc`."""
+    per_call = max(1, batch_size // k)  # prompts per generate call, so that one call holds ~batch_size sequences
+    records = []
+    for start in tqdm(range(0, len(problems), per_call), desc=desc, disable=desc is None):
+        chunk = problems[start : start + per_call]
+        prompts = [format_prompt(tokenizer, p.problem, template) for p in chunk]
+        ro, texts = generate(model, tokenizer, prompts, k, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_p=top_p, batch_size=batch_size)
+        _, correct, _ = rewards.score_batch(texts, [p.answer for p in chunk for _ in range(k)], reward_cfg)
+        for j, p in enumerate(chunk):
+            rows = slice(j * k, (j + 1) * k)
+            records.append({
+                "id": p.id, "gold": p.answer, "correct": [bool(c) for c in correct[rows]],
+                "answers": [rewards.extract_answer(t, reward_cfg.last_number_fallback) for t in texts[rows]],
+                "tokens": ro.completion_len[rows].tolist(), "truncated": ro.truncated[rows].tolist(),
+                "sample": texts[j * k],  # one completion per problem, to read what the model does
+            })
+    return records
+
+
+METRICS = ["accuracy", "pass@k", "maj@k", "response_len", "truncation_rate"]
+
+
+def summarize(records: list[dict]) -> dict[str, float]:
+    """Per-problem metrics averaged over problems; lengths and truncation averaged over all samples."""
+    return {
+        "accuracy": _mean(avg_at_k(r["correct"]) for r in records),  # avg@k
+        "pass@k": _mean(pass_at_k(len(r["correct"]), sum(r["correct"]), len(r["correct"])) for r in records),
+        "maj@k": _mean(maj_at_k(r["answers"], r["correct"]) for r in records),
+        "response_len": _mean(t for r in records for t in r["tokens"]),
+        "truncation_rate": _mean(t for r in records for t in r["truncated"]),
+        "n": len(records),
+    }
+
+
+def results_table(results: dict[str, dict], k: int) -> str:
+    """Markdown table, one row per benchmark plus the macro average; accuracies in percent."""
+    lines = [f"| benchmark | problems | avg@{k} | pass@{k} | maj@{k} | tokens | trunc |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = dict(results)
+    if len(results) > 1:
+        rows["macro"] = {"n": sum(r["n"] for r in results.values())} | macro_average(results)
+    for name, r in rows.items():
+        acc = " | ".join(f"{100 * r[m]:.1f}" for m in METRICS[:3])
+        lines.append(f"| {name} | {r['n']} | {acc} | {r['response_len']:.1f} | {100 * r['truncation_rate']:.1f}% |")
+    return "\n".join(lines)
+
+
+def macro_average(results: dict[str, dict]) -> dict:
+    return {m: _mean(r[m] for r in results.values()) for m in METRICS}
+
+
+# ---------------------------------------------------------------------------------------------- comparing runs
+
+
+@dataclass
+class Run:
+    path: Path
+    strategy: str
+    seed: int | None
+    records: list[dict]  # metrics.jsonl, one dict per training step
+    summary: dict  # summary.json, empty if the run did not finish
+
+    def final(self, summary_key: str, metric_key: str) -> float | None:
+        """From summary.json when present, else the last step that logged `metric_key`."""
+        if self.summary.get(summary_key) is not None:
+            return self.summary[summary_key]
+        return next((r[metric_key] for r in reversed(self.records) if r.get(metric_key) is not None), None)
+
+    def evals(self) -> list[tuple[float, float]]:
+        """(generated tokens, eval accuracy) at every eval, starting with the step-0 eval from summary.json."""
+        start = [(0, self.summary["eval_accuracy_initial"])] if self.summary.get("eval_accuracy_initial") is not None else []
+        return start + [(r["generated_tokens"], r["eval/accuracy"]) for r in self.records if r.get("eval/accuracy") is not None]
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"run folder not found: {path}")
+    metrics, summary = path / "metrics.jsonl", path / "summary.json"
+    if not metrics.exists() and not summary.exists():
+        raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
+    summary = json.loads(summary.read_text()) if summary.exists() else {}
+    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").exists() else {}
+    strategy = summary.get("strategy") or (config.get("replay") or {}).get("strategy")
+    if strategy is None:
+        raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
+    records = read_jsonl(metrics) if metrics.exists() else []
+    return Run(path, strategy, summary.get("seed", config.get("seed")), records, summary)
+
+
+def tokens_to_target(run: Run, target: float) -> float | None:
+    """Generated tokens at the first eval whose accuracy reaches `target`; None if it never does."""
+    return next((tokens for tokens, acc in run.evals() if acc >= target), None)
+
+
+def compare_runs(runs: list[Run], *, baseline: str = "none", target: float | None = None,
+                 alpha: float = 1.0, beta: float = 3.0, gamma: float = 5.0) -> tuple[list[dict], float | None]:
+    """One row per run. The target accuracy and the AES baseline default to the `baseline` group's final means."""
+    base = [r for r in runs if r.strategy == baseline]
+    A_b = _mean(r.final("eval_accuracy_final", "eval/accuracy") for r in base) if base else math.nan
+    L_b = _mean(r.final("eval_response_len_final", "eval/response_len") for r in base) if base else math.nan
+    if target is None and base:
+        target = A_b
+    rows = []
+    for r in runs:
+        A, L = r.final("eval_accuracy_final", "eval/accuracy"), r.final("eval_response_len_final", "eval/response_len")
+        rows.append({
+            "run": str(r.path), "strategy": r.strategy, "seed": r.seed, "final_accuracy": A, "final_response_len": L,
+            "tokens_to_target": tokens_to_target(r, target) if target is not None else None,
+            "generated_tokens": r.final("generated_tokens", "generated_tokens"),
+            "entropy_final": r.final("entropy_final", "entropy"), "wall_seconds": r.final("wall_seconds", "wall_seconds"),
+            "aes": aes(L, A, L_b, A_b, alpha, beta, gamma) if None not in (A, L) else math.nan,
+        })
+    return rows, target
+
+
+def _pm(values: list, scale: float = 1.0, fmt: str = ".1f") -> str:
+    """mean ± sample std over seeds (just the mean for one seed); missing values are left out."""
+    xs = [scale * v for v in values if v is not None and not math.isnan(v)]
+    if not xs:
+        return "n/a"
+    return f"{_mean(xs):{fmt}}" + (f" ± {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else "")
+
+
+def compare_table(rows: list[dict], target: float | None, baseline: str = "none") -> str:
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["strategy"], []).append(r)
+    order = sorted(groups, key=lambda s: (s != baseline, s))
+    tgt = "n/a" if target is None else f"{100 * target:.1f}%"
+    lines = [f"| strategy | seeds | final acc (%) | M tokens to {tgt} (reached) | entropy (end) | wall time (s) | AES vs {baseline} |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in order:
+        g = groups[s]
+        reached = [r["tokens_to_target"] for r in g if r["tokens_to_target"] is not None]
+        ttt = (_pm(reached, 1e-6, ".3g") if reached else "not reached") + f" ({len(reached)}/{len(g)})"
+        lines.append(f"| {s} | {len(g)} | {_pm([r['final_accuracy'] for r in g], 100)} | {ttt} | "
+                     f"{_pm([r['entropy_final'] for r in g], fmt='.3f')} | {_pm([r['wall_seconds'] for r in g], fmt='.0f')} | "
+                     f"{_pm([r['aes'] for r in g], fmt='.3f')} |")
+    return "\n".join(lines)
+
+
+def plot_curves(runs: list[Run], path: Path) -> bool:
+    """Eval accuracy vs generated tokens: per strategy, the seed mean with a min-max band, on the token range
+    every seed covers (seeds evaluate at different token counts, so curves are interpolated onto one grid)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed, skipping the plot (pip install matplotlib)")
+        return False
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for strategy in sorted({r.strategy for r in runs}):
+        curves = [np.array(r.evals(), dtype=float).T for r in runs if r.strategy == strategy and r.evals()]
+        if not curves:
+            continue
+        lo, hi = max(c[0][0] for c in curves), min(c[0][-1] for c in curves)
+        grid = np.linspace(lo, max(lo, hi), 100)
+        ys = 100 * np.stack([np.interp(grid, x, y) for x, y in curves])  # (seeds, 100)
+        ax.plot(grid, ys.mean(0), label=f"{strategy} (n={len(curves)})")
+        ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2)
+    ax.set(xlabel="generated tokens", ylabel="eval accuracy (%)", title="eval accuracy vs generation cost (band: min-max over seeds)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def fail(msg: str) -> None:
+    print(f"eval.py: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run_compare(args) -> None:
+    try:
+        runs = [load_run(d) for d in args.compare]
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    rows, target = compare_runs(runs, baseline=args.baseline, target=args.target,
+                                alpha=args.aes_alpha, beta=args.aes_beta, gamma=args.aes_gamma)
+    print(compare_table(rows, target, args.baseline))
+    out = Path(args.out_dir or "eval_results/compare")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "compare.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plotted = plot_curves(runs, out / "compare.png")
+    print(f"\nwrote {out / 'compare.csv'}" + (f" and {out / 'compare.png'}" if plotted else ""))
+
+
+def run_eval(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    benchmarks = {}
+    for spec in args.benchmarks.split(","):
+        name = spec if spec in NAMED or spec == "tiny" or spec.startswith("hf:") else Path(spec).stem
+        try:  # all data first, so a typo fails before a slow model load
+            benchmarks[name] = load_problems(spec, data_dir=args.data_dir, problem_key=args.problem_key,
+                                             answer_key=args.answer_key, limit=args.limit)
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            fail(str(e))
+    local = Path(args.model).expanduser()
+    if not local.exists() and (args.model.startswith((".", "/", "~")) or args.model.count("/") > 1):
+        fail(f"model path not found: {args.model}")  # not a local folder, and not shaped like a hub id either
+    if local.is_dir() and not (local / "config.json").exists():
+        fail(f"{local} has no config.json: not a Hugging Face model folder")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code,
+                                                     dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load model {args.model}: {' '.join(str(e).split())[:300]}")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device)
+    torch.manual_seed(args.seed)
+    results, records = {}, {}
+    for name, problems in benchmarks.items():
+        records[name] = sample_and_score(model, tokenizer, problems, k=args.k, temperature=args.temperature,
+                                         top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                         template=args.template, reward_cfg=rewards.RewardConfig(), desc=name)
+        results[name] = summarize(records[name])
+    print(results_table(results, args.k))
+    out = Path(args.out_dir or Path("eval_results") / local.name)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"args": vars(args), "macro": macro_average(results), "benchmarks": results, "problems": records}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {out / 'results.json'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--model", help="local checkpoint folder or Hugging Face model id")
+    mode.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="training run folders to compare")
+    ap.add_argument("--out-dir", help="where JSON/CSV/PNG go (default eval_results/<model name> or eval_results/compare)")
+    g = ap.add_argument_group("evaluating a model")
+    g.add_argument("--benchmarks", default="tiny", help=f"comma list of tiny, {', '.join(NAMED)}, .jsonl/.parquet paths, hf:NAME")
+    g.add_argument("--data-dir", help="folder holding the benchmark files (math500_test.jsonl, ...)")
+    g.add_argument("--problem-key", help="problem field of a custom file (default: problem/question/prompt)")
+    g.add_argument("--answer-key", help="answer field of a custom file (default: answer/solution)")
+    g.add_argument("--limit", type=int, help="first N problems of each benchmark")
+    g.add_argument("--k", type=int, default=8, help="samples per problem")
+    g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--max-new-tokens", type=int, default=1024)
+    g.add_argument("--batch-size", type=int, default=64, help="sequences per generate call")
+    g.add_argument("--template", default=DEFAULT_TEMPLATE, help="instruction with a {problem} slot (braces doubled)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trust-remote-code", action="store_true")
+    c = ap.add_argument_group("comparing runs")
+    c.add_argument("--baseline", default="none", help="strategy that AES and the default target are measured against")
+    c.add_argument("--target", type=float, help="eval accuracy (0-1) for tokens-to-target (default: baseline's final mean)")
+    c.add_argument("--aes-alpha", type=float, default=1.0)
+    c.add_argument("--aes-beta", type=float, default=3.0)
+    c.add_argument("--aes-gamma", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    run_compare(args) if args.compare else run_eval(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""The GRPO objective as small pure functions on tensors: advantages, token log-probs, the clipped loss, metrics.
+
+Per completion token t of rollout i (advantage A_i; every log-prob is taken at the sampling temperature):
+
+    base_it = log μ_it        behaviour log-prob stored at generation   (offpolicy="behaviour", replayed rows)
+            = log π_prox,it   policy at the start of the optimizer step (offpolicy="decoupled"; on-policy rows always)
+    r_it    = exp(log π_θ,it − base_it)
+    pg_it   = max(−A_i·r_it, −A_i·clip(r_it, 1 − eps_low, 1 + eps_high))
+    pg_it   = min(pg_it, c·|A_i|)                  if dual_clip = c > 0 and A_i < 0
+    w_it    = min(π_prox,it / μ_it, C), detached   offpolicy="decoupled"; w = 1 in "behaviour" mode and on on-policy rows
+    L_it    = w_it·pg_it + beta·(exp(d_it) − d_it − 1),  d_it = log π_ref,it − log π_θ,it   (k3 KL estimator)
+
+and the loss aggregates L over the completion tokens (see `policy_loss`).
+
+Where this departs from textbook GRPO (DeepSeekMath: group-std advantages, per-sequence token mean, symmetric
+clip against the sampling policy, k3 KL to a reference with beta > 0):
+1. Stale data. Replayed rollouts were sampled by an older policy μ, so the ratio is not 1 even on the first
+   optimizer step. `behaviour` mode clips the ratio against μ (TRL's multi-iteration GRPO, RePO), which drops
+   the gradient of any token whose policy has drifted past the clip; `decoupled` mode clips against π_prox and
+   multiplies by the truncated importance weight min(π_prox/μ, C), so the trust region is measured from the
+   current policy while staleness is corrected separately (decoupled PPO).
+2. On-policy rows (fresh rollouts, and RLEP replays whose log-probs count as current by definition) use
+   π_prox as their base and get w = 1 exactly. Their stored μ differs from the training forward by KV-cache
+   numerics (~1e-6) and, when top_p < 1, by the nucleus renormalisation, which would otherwise look like staleness.
+   With one optimizer step per batch, π_prox = π_θ (the default `prox_logp=None`), so r = 1, the clip is
+   inert, and the gradient is the plain policy gradient of −A·log π; the ratio only matters for stale rows.
+3. Replayed rows keep that top-p mismatch: π at temperature T is compared with μ after top-p, so with
+   top_p < 1 their weights are biased downward even when the weights have not moved.
+4. Asymmetric clip (DAPO's clip-higher, 0.2 / 0.28 by default) and an optional dual clip bounding the loss of
+   negative-advantage tokens at c·|A|.
+5. Loss aggregation is a config key: `grpo` (per-sequence mean), `dapo` (mean over all tokens, the default) or
+   `dr_grpo` (token sum over a constant); each normalises by totals over the whole optimizer batch so that
+   micro-batch accumulation is exact.
+6. KL weight beta defaults to 0 (as DAPO, Dr. GRPO, RLEP); when on, it is added per token, not to the reward.
+7. Advantages: `none` (Dr. GRPO) and `batch` scales besides `group` (unbiased std); groups with equal rewards
+   get exactly 0 and are counted in the metrics.
+8. Entropy is measured, never added as a bonus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class GRPOConfig:
+    adv_scale: str = "group"
+    """advantage divisor: `group` std, `batch` std of group-centred rewards, `none` (Dr. GRPO)"""
+    adv_eps: float = 1e-6
+    """added to the std before dividing"""
+    loss_agg: str = "dapo"
+    """`grpo` per-sequence token mean, `dapo` mean over all tokens, `dr_grpo` token sum / (n_seqs·max_new_tokens)"""
+    eps_low: float = 0.2
+    """lower ratio clip 1 − eps_low"""
+    eps_high: float = 0.28
+    """upper ratio clip 1 + eps_high (DAPO clip-higher; set = eps_low for PPO's symmetric clip)"""
+    dual_clip: float = 0.0
+    """0 = off; else c > 1 bounds the loss of negative-advantage tokens at c·|A| (verl uses 3, RLEP 10)"""
+    offpolicy: str = "behaviour"
+    """correction for replayed rows: `behaviour` (clip ratio vs stored μ) or `decoupled` (clip vs π_prox, × min(π_prox/μ, C))"""
+    is_cap: float = 2.0
+    """C in min(π_prox/μ, C), decoupled mode only"""
+    beta: float = 0.0
+    """k3 KL weight; the reference model is not even loaded when 0"""
+
+
+def group_advantages(rewards: Tensor, group: Tensor, scale: str = "group", eps: float = 1e-6) -> tuple[Tensor, dict]:
+    """A_i = (r_i − mean_g) / (std_g + eps), g the group of row i. Returns advantages (N,) and metrics.
+
+    scale="group": std_g is the unbiased std of group g's rewards (torch.std's default, as in TRL and verl).
+    scale="batch": one std for all rows, the unbiased std of the group-centred rewards r_i − mean_g over the batch
+                   (of the centred rewards, so that differences in difficulty between prompts do not inflate it).
+    scale="none":  A_i = r_i − mean_g (Dr. GRPO: dividing by std_g up-weights prompts that are too easy or too hard).
+    A group whose rewards are all equal (a single-row group included) gets A = 0 exactly, despite round-off in its mean.
+    Rows of a group need not be adjacent and ids need not be contiguous.
+    """
+    r = rewards.double()  # (N,)
+    _, g = torch.unique(group, return_inverse=True)  # (N,) ids 0..K-1
+    K = int(g.max()) + 1
+
+    def per_group(x: Tensor) -> Tensor:  # (N,) -> (K,) sums
+        return torch.zeros(K, dtype=r.dtype, device=r.device).index_add(0, g, x)
+
+    n = per_group(torch.ones_like(r))  # (K,)
+    centred = r - (per_group(r) / n)[g]  # (N,)
+    std_g = (per_group(centred**2) / (n - 1).clamp(min=1)).sqrt()  # (K,)
+    hi = torch.full((K,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, g, r, "amax")
+    lo = torch.full((K,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, g, r, "amin")
+    flat = hi == lo  # (K,) zero reward variance
+    if scale == "group":
+        adv = centred / (std_g[g] + eps)
+    elif scale == "batch":
+        adv = centred / ((centred.std() if len(r) > 1 else 0.0) + eps)
+    elif scale == "none":
+        adv = centred
+    else:
+        raise ValueError(f"adv_scale must be group | batch | none, got {scale!r}")
+    adv = torch.where(flat[g], 0.0, adv)  # also replaces 0/0 when eps = 0
+    metrics = {"adv/zero_std_frac": flat.double().mean().item(), "adv/groups": float(K), "adv/abs_mean": adv.abs().mean().item()}
+    return adv.to(rewards.dtype), metrics
+
+
+def token_logprobs(model, tokens: Tensor, attention_mask: Tensor, temperature: float, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of each token under the model at temperature T, aligned with `tokens`; optionally the entropy.
+
+    With z = logits[:, t−1] / T:  logp[:, t] = z[tokens[:, t]] − logsumexp(z),  logp[:, 0] = 0, and 0 on padding.
+    entropy[:, t] = −Σ_v p_v log p_v = logsumexp(z) − Σ_v p_v z_v, p = softmax(z): the distribution that predicted t.
+    Gathering one logit and subtracting logsumexp avoids a second (B, L, V) log-softmax tensor. Computed in at least
+    float32 (float64 stays float64). Gradients flow when called under grad.
+    """
+    logits = model(input_ids=tokens, attention_mask=attention_mask).logits  # (B, L, V)
+    z = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (B, L-1, V)
+    lse = torch.logsumexp(z, dim=-1)  # (B, L-1)
+    valid = attention_mask[:, 1:].bool()  # (B, L-1)
+
+    def align(x: Tensor) -> Tensor:  # (B, L-1) -> (B, L): shift right by one, zero padding
+        return F.pad(torch.where(valid, x, 0.0), (1, 0))
+
+    logp = align(z.gather(-1, tokens[:, 1:, None]).squeeze(-1) - lse)  # (B, L)
+    entropy = align(lse - (torch.softmax(z, dim=-1) * z).sum(-1)) if with_entropy else None  # (B, L)
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, tokens: Tensor, attention_mask: Tensor, temperature: float, micro_batch_size: int) -> Tensor:
+    """`token_logprobs` over micro-batches without grad, each trimmed to its longest row (right padding). (B, L)"""
+    L, parts = tokens.shape[1], []
+    for s in range(0, len(tokens), micro_batch_size):
+        am = attention_mask[s : s + micro_batch_size]  # (b, L)
+        n = int(am.sum(1).max())
+        logp, _ = token_logprobs(model, tokens[s : s + micro_batch_size, :n], am[:, :n], temperature)  # (b, n)
+        parts.append(F.pad(logp, (0, L - n)))
+    return torch.cat(parts)
+
+
+def policy_loss(
+    logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    onpolicy: Tensor,
+    cfg: GRPOConfig,
+    *,
+    n_seqs: int,
+    n_tokens: int,
+    max_new_tokens: int,
+    prox_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """Clipped GRPO loss of one micro-batch (per-token objective in the module docstring) and its metrics.
+
+    logp (B, L) current policy, with grad; behav_logp (B, L) stored μ; prox_logp (B, L) π at the start of the step,
+    None → logp.detach(), exact when each batch gets one optimizer step (the weights have not moved yet); advantages
+    (B,); mask (B, L) completion tokens; onpolicy (B,) rows whose μ is by definition π_prox (base = π_prox, w = 1).
+    n_seqs and n_tokens count the WHOLE optimizer batch, so summing this loss over micro-batches gives the full loss:
+        grpo:    Σ_i (Σ_t L_it / |o_i|) / n_seqs      dapo: Σ_it L_it / n_tokens      dr_grpo: Σ_it L_it / (n_seqs · max_new_tokens)
+    `entropy` (B, L) is only measured.
+    """
+    m = mask.bool()  # (B, L)
+
+    # Zero every input off the mask first: padding (even NaN) then gives a per-token loss of exactly 0 and
+    # a zero gradient, where multiplying by the mask afterwards would still turn 0·NaN into NaN.
+    def valid(x: Tensor) -> Tensor:
+        return torch.where(m, x, 0.0)
+
+    logp = valid(logp)  # (B, L)
+    prox = valid(logp.detach() if prox_logp is None else prox_logp)  # (B, L)
+    behav = valid(behav_logp)  # (B, L)
+    A = valid(advantages[:, None].to(logp.dtype))  # (B, L)
+    fresh = onpolicy.bool()[:, None]  # (B, 1)
+
+    # Replayed data is stale, so unlike nanochat we need the ratio. log_w = log π_prox/μ, exactly 0 on on-policy rows.
+    log_w = torch.where(fresh, 0.0, prox - behav)  # (B, L)
+    if cfg.offpolicy == "behaviour":
+        base, w = torch.where(fresh, prox, behav), torch.ones_like(logp)
+    elif cfg.offpolicy == "decoupled":
+        base, w = prox, log_w.exp().clamp(max=cfg.is_cap)
+    else:
+        raise ValueError(f"offpolicy must be behaviour | decoupled, got {cfg.offpolicy!r}")
+
+    log_ratio = logp - base  # (B, L)
+    ratio = log_ratio.exp()
+    pg1 = -A * ratio
+    pg2 = -A * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    pg = torch.maximum(pg1, pg2)  # (B, L)
+    dual = torch.zeros_like(m)
+    if cfg.dual_clip > 0:
+        dual = (A < 0) & (pg > -A * cfg.dual_clip)
+        pg = torch.where(dual, -A * cfg.dual_clip, pg)
+    per_tok = w * pg  # (B, L)
+    if cfg.beta > 0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        d = valid(ref_logp) - logp  # (B, L)
+        kl = d.exp() - d - 1
+        per_tok = per_tok + cfg.beta * kl
+
+    if cfg.loss_agg == "grpo":
+        loss = (per_tok.sum(1) / m.sum(1).clamp(min=1)).sum() / n_seqs
+    elif cfg.loss_agg == "dapo":
+        loss = per_tok.sum() / n_tokens
+    elif cfg.loss_agg == "dr_grpo":
+        loss = per_tok.sum() / (n_seqs * max_new_tokens)
+    else:
+        raise ValueError(f"loss_agg must be grpo | dapo | dr_grpo, got {cfg.loss_agg!r}")
+
+    # Metrics convention: every value is a float that adds up over micro-batches (the loss, the token count
+    # `tokens`, and token counts or token sums), except `*_min` / `*_max` (extremes). combine_metrics turns the
+    # token sums into means. is_weight_* is π_prox/μ before truncation (1 on on-policy rows), in both modes.
+    with torch.no_grad():
+        r, raw_w = ratio.detach(), log_w.exp()
+        n_valid = int(m.sum())
+        metrics = {
+            "loss": loss.item(),
+            "tokens": float(n_valid),
+            "clip_low": float((m & (A < 0) & (r < 1 - cfg.eps_low)).sum()),
+            "clip_high": float((m & (A > 0) & (r > 1 + cfg.eps_high)).sum()),
+            "clip_dual": float(dual.sum()),
+            "approx_kl": float(valid((r - 1) - log_ratio.detach()).sum()),
+            "is_weight_sum": float(valid(raw_w).sum()),
+            "is_weight_min": float(raw_w[m].min()) if n_valid else torch.inf,
+            "is_weight_max": float(raw_w[m].max()) if n_valid else -torch.inf,
+            "is_capped": float((m & (raw_w > cfg.is_cap)).sum()) if cfg.offpolicy == "decoupled" else 0.0,
+        }
+        if entropy is not None:
+            metrics["entropy"] = float(valid(entropy.detach()).sum())
+        if cfg.beta > 0:
+            metrics["kl_ref"] = float(valid(kl.detach()).sum())
+    return loss, metrics
+
+
+def combine_metrics(parts: list[dict]) -> dict:
+    """Micro-batch metrics of `policy_loss` → step metrics: summed loss and tokens, min of mins, max of maxes,
+    and every token sum divided by the total tokens (`is_weight_sum` becomes `is_weight_mean`; counts become fractions)."""
+    tokens = sum(p["tokens"] for p in parts)
+    out = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts]
+        if k.endswith("_min"):
+            out[k] = min(vals)
+        elif k.endswith("_max"):
+            out[k] = max(vals)
+        elif k in ("loss", "tokens"):
+            out[k] = sum(vals)
+        else:
+            out[k.removesuffix("_sum") + ("_mean" if k.endswith("_sum") else "")] = sum(vals) / max(tokens, 1)
+    return out

@@ -1,0 +1,211 @@
+"""rewards.py: hand examples, extraction, the reward and its metrics, agreement with math-verify's own test cases,
+MATH-500 / GSM8K gold-vs-solution checks, cross-problem false positives, hostile inputs (bounded time, nothing
+executed), the worker timeout (kill, replace, reap) and a cheap import. Shared data: $SHARED_DATA_DIR or
+../shared/data; the tests that need it are skipped with a message when it is missing."""
+
+import builtins
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import rewards as R
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("SHARED_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def read_jsonl(relative):
+    path = DATA / relative
+    if not path.exists():
+        pytest.skip(f"shared data file {path} not found (set SHARED_DATA_DIR)")
+    return [json.loads(line) for line in open(path)]
+
+
+# ------------------------------------------------------------------------------------------- hand examples
+B = "\\boxed{%s}"
+HAND = [  # (completion, gold, equal?)
+    (B % "38/24", "19/12", True), (B % "\\frac{38}{24}", "19/12", True), (B % "\\dfrac{19}{12}", "\\frac{19}{12}", True),
+    (B % "-12", "-12", True), (B % "12", "-12", False), (B % "- 12", "-12", True),
+    ("so $x = 2$, hence \\boxed{x = 2}", "2", True), (B % "x=2", "x = 2", True), (B % "x = 3", "2", False),
+    (B % "25", "025", True), (B % "025", "25", True),  # AIME gold is zero-padded
+    (B % "27", "27.0", True), (B % "27.5", "27.0", False),  # AMC gold is a float
+    ("3 * 411 = 1,233 and one more.\n#### 1,234", "1234", True), ("The answer is 1234.", "1,234", True),  # GSM8K
+    (B % "[0, 1)", "[0,1)", True), (B % "(0,1]", "[0,1)", False),
+    (B % "(-\\infty, 2) \\cup (3, \\infty)", "(-\\infty,2)\\cup(3,\\infty)", True),
+    (B % "\\{3, 1, 2\\}", "\\{1,2,3\\}", True), (B % "3, 5, 7", "7, 3, 5", True), (B % "1, 2", "1, 2, 3", False),
+    (B % "(1, 2)", "(1,2)", True), (B % "(2, 1)", "(1,2)", False), (B % "(1, 2, 3)", "(1,2)", False),
+    (B % "2\\pi", "2 \\pi", True), (B % "\\pi \\cdot 2", "2\\pi", True), (B % "6.28", "2\\pi", False),
+    (B % "3.14159265359", "\\pi", True), (B % "3.1416", "\\pi", False),
+    (B % "\\sqrt{8}", "2\\sqrt{2}", True), (B % "\\sqrt[3]{27}", "3", True), (B % "\\sqrt2", "\\sqrt{2}", True),
+    (B % "\\frac{1}{\\sqrt{3}}", "\\frac{\\sqrt{3}}{3}", True), (B % "\\sqrt{3}", "3", False), (B % "1.414214", "\\sqrt2", True),
+    (B % "90^\\circ", "90", True), (B % "50\\%", "50", True), (B % "18.9", "\\$18.90", True), (B % "5 \\text{ cm}^2", "5", True),
+    (B % "1 \\pm \\sqrt{2}", "1+\\sqrt{2}, 1-\\sqrt{2}", True), (B % "1 + \\sqrt{2}", "1 \\pm \\sqrt{2}", False),
+    (B % "1\\frac{4}{5}", "\\frac{9}{5}", True), (B % "1.5 \\times 10^{3}", "1500", True),
+    (B % "y = 2x + 3", "y=2x+3", True), (B % "2x - y + 3 = 0", "y = 2x + 3", True), (B % "y = 2x - 3", "y = 2x+3", False),
+    (B % "x \\geq 5", "5 \\le x", True), (B % "x > 5", "(5, \\infty)", True), (B % "x < 5", "(5, \\infty)", False),
+    (B % "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+    (B % "\\begin{bmatrix} 1 \\\\ 3 \\end{bmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", False),
+    (B % "\\text{(C)}", "C", True), (B % "\\textbf{Evelyn}", "\\text{Evelyn}", True), (B % "East", "\\text{east}", True),
+    (B % "\\text{neve}", "\\text{even}", False),  # words are names, not products of letters
+    (B % "1000001", "1000000", False), (B % "0.3333333", "1/3", True), (B % "0.33", "1/3", False),
+    (B % "-5i + 6", "6-5i", True), (B % "\\frac{x+2}{7}", "\\frac{x}{7}+\\frac{2}{7}", True),
+    (B % "(a+5)(b+2)", "ab+2a+5b+10", True), (B % "(a+5)(b+3)", "ab+2a+5b+10", False),
+    (B % "\\sin^2 x + \\cos^2 x", "1", True), (B % "\\log_2 8", "3", True), (B % "5!", "120", True),
+    (B % "\\binom{5}{2}", "10", True), (B % "52_8", "52_8", True), (B % "42", "52_8", False),
+    (B % "-\\infty", "\\infty", False), ("I think it is 5", "5", False),  # no boxed answer: no answer by default
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected", HAND)
+def test_hand_examples(completion, gold, expected):
+    assert R.verify(completion, gold) is expected
+
+
+def test_extraction():
+    assert R.extract_answer("first \\boxed{1}, then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
+    assert R.extract_answer("\\fbox{7}") == "7"
+    assert R.extract_answer("so \\boxed{1}, \\boxed{2} and \\boxed{3}") == "1, 2, 3"  # one list answer
+    assert R.extract_answer("\\boxed{3}. Then \\boxed{4") == "3"  # an unclosed box is ignored
+    assert R.extract_answer("Final Answer: The final answer is $10,455$. I hope it is correct.") == "10,455"
+    assert R.extract_answer("\\boxed{5}. Wait, the answer is 7.") == "7"  # the latest answer wins
+    assert R.extract_answer("Janet sells 9 eggs.\n#### 18") == "18"
+    assert R.extract_answer("I think it is 5 or 6") is None
+    assert R.extract_answer("I think it is 5 or 6", last_number_fallback=True) == "6"
+    assert R.extract_answer("so $x = 3$ in the end", last_number_fallback=True) == "x = 3"
+    assert R.extract_answer("\\boxed{" + "9" * 10_000 + "}") is None  # too long to be an answer
+
+
+def test_reward_values_and_metrics():
+    cfg = R.RewardConfig(correct=1.0, wrong=-0.5, no_answer=-1.0, format_bonus=0.1)
+    assert R.math_reward("\\boxed{4}", "4", cfg) == pytest.approx(1.1)
+    assert R.math_reward("\\boxed{5}", "4", cfg) == pytest.approx(-0.4)
+    assert R.math_reward("The answer is 4.", "4", cfg) == pytest.approx(1.0)  # no box, no bonus
+    assert R.math_reward("no idea", "4", cfg) == pytest.approx(-1.0)
+    rewards, correct, metrics = R.score_batch(["\\boxed{4}", "\\boxed{x+1}", "nothing", "\\boxed{2}"],
+                                              ["4", "1+x", "3", "3"], R.RewardConfig())
+    assert rewards == [1.0, 1.0, 0.0, 0.0] and correct == [True, True, False, False]
+    assert metrics["reward/no_answer_frac"] == 0.25 and metrics["reward/timeouts"] == 0
+    assert metrics["reward/worker_frac"] == 0.25  # only x+1 needed sympy; plain numbers stayed in-process
+    assert R.score_batch([], [], R.RewardConfig())[:2] == ([], [])
+
+
+# ------------------------------------------------------------------------------------------- shared data
+# math-verify's own test cases that we answer differently, and why.
+KNOWN_MISSES = {
+    "mv-0188": "'x \\in [-2,7]' vs '-2 \\\\le x \\\\le 7': math-verify says unequal unless its set/relation option is on "
+               "(the same pair with it on, mv-0185/0187, expects equal); we always compare relations with intervals",
+    "mv-0265": "'f(x)' vs 'f(y)': the same pair is labelled unequal in mv-0264 under the same settings; we say unequal",
+}
+
+
+def test_agreement_with_math_verify_cases():
+    cases = read_jsonl("verifier/mathverify_cases.jsonl")
+    misses = [c["id"] for c in cases
+              if R.verify(c["pred"], c["gold"], rel_tol=10.0 ** -c["float_rounding"], last_number_fallback=True)
+              != c["expected"]]
+    agreement = 1 - len(misses) / len(cases)
+    print(f"math-verify cases: {len(cases) - len(misses)}/{len(cases)} = {agreement:.1%}; misses {misses}")
+    assert agreement >= 0.97
+    assert set(misses) <= set(KNOWN_MISSES), f"new disagreements: {set(misses) - set(KNOWN_MISSES)}"
+
+
+def test_math500_gold_matches_its_solution():
+    rows = read_jsonl("benchmarks/math500_test.jsonl")
+    _, correct, metrics = R.score_batch([r["solution"] for r in rows], [r["answer"] for r in rows], R.RewardConfig())
+    assert [r["answer"] for r, ok in zip(rows, correct) if not ok] == [] and metrics["reward/timeouts"] == 0
+
+
+def test_gsm8k_answer_matches_its_solution():
+    rows = read_jsonl("benchmarks/gsm8k_test.jsonl")
+    golds = [r["answer"].split("####")[-1].strip() for r in rows]
+    _, correct, _ = R.score_batch([r["answer"] for r in rows], golds, R.RewardConfig())
+    assert sum(correct) == len(rows) == 1319
+
+
+TRULY_EQUAL = {(281, 287)}  # '36^\circ' and '36': degrees are dropped, so these are the same answer
+
+
+def test_no_false_positives_across_math500_problems():
+    """Gold answer i against the solution of problem i+k (k = 1..10, 5,000 pairs): every pair judged equal must
+    have the same answer, up to spaces and an 'x =' prefix, or be listed in TRULY_EQUAL."""
+    rows = read_jsonl("benchmarks/math500_test.jsonl")
+    pairs = [(i, (i + k) % len(rows)) for k in range(1, 11) for i in range(len(rows))]
+    _, correct, metrics = R.score_batch([rows[j]["solution"] for _, j in pairs], [rows[i]["answer"] for i, _ in pairs],
+                                        R.RewardConfig())
+    key = lambda answer: re.sub(r"\s+|^[a-z]=", "", answer)  # noqa: E731
+    wrong = [(i, j, rows[i]["answer"], rows[j]["answer"]) for (i, j), ok in zip(pairs, correct)
+             if ok and key(rows[i]["answer"]) != key(rows[j]["answer"]) and (i, j) not in TRULY_EQUAL]
+    print(f"cross-problem pairs judged equal: {sum(correct)} of {len(pairs)}, all truly equal: {not wrong}")
+    assert wrong == [] and metrics["reward/timeouts"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ safety
+def test_hostile_examples_are_bounded_and_never_raise():
+    rows = read_jsonl("verifier/hostile_examples.jsonl")
+    R.verify("\\boxed{x+1}", "1+x")  # start the pool outside the timings
+    limit = 1.0
+    for row in rows:
+        t0 = time.perf_counter()
+        for fallback in (False, True):
+            assert R.verify(row["pred"], row["gold"], timeout=limit, last_number_fallback=fallback) is False
+        elapsed = (time.perf_counter() - t0) / 2
+        print(f"{row['id']}: {elapsed * 1000:.1f} ms")
+        assert elapsed < 2 * limit, row["id"]
+    for text in (None, 12, "\\boxed{}", "\\boxed{\\frac{1}{0}}", "\\boxed{" * 5000, "$" * 5000, "\\[" * 5000):
+        assert R.verify(text, "0", last_number_fallback=True) in (True, False)
+
+
+def test_model_text_is_never_executed(tmp_path, monkeypatch):
+    target = tmp_path / "pwned"
+    payloads = [f"__import__('os').system('touch {target}')", f"eval(\"open('{target}', 'w')\")",
+                f"exec('open(\\'{target}\\', \\'w\\')')", f"lambda: open('{target}', 'w')",
+                "().__class__.__bases__[0].__subclasses__()", "zq_marker + 1"]
+    completions = [f"\\boxed{{{p}}}" for p in payloads] + [f"The answer is {p}" for p in payloads]
+    assert not any(R.verify(c, "0", last_number_fallback=True) for c in completions)
+    # In-process too, with eval/exec watched: sympy may evaluate its own source strings on lazy imports, but
+    # never text from the answer.
+    seen = []
+    for name in ("eval", "exec"):
+        real = getattr(builtins, name)
+
+        def watched(src, *args, _real=real, **kwargs):
+            seen.append(src if isinstance(src, str) else "")
+            return _real(src, *args, **kwargs)
+        monkeypatch.setattr(builtins, name, watched)
+    for p in payloads:
+        assert R._equivalent(R._normalize(p), "0", 1e-6) is False
+        assert R._equivalent(R._normalize(p), R._normalize(p) + "+1", 1e-6) is False
+    assert not target.exists()
+    assert not [s for s in seen if "pwned" in s or "zq_marker" in s or "__" in s]
+
+
+def test_worker_timeout_kills_and_replaces():
+    R.verify("\\boxed{x+1}", "1+x")
+    before = [p.pid for p in R._pool.procs]
+    slow = "\\boxed{\\sum_{k=1}^{10^{6}} k^{k}}"  # sympy grinds through a million huge terms
+    t0 = time.perf_counter()
+    rewards, correct, metrics = R.score_batch([slow, "\\boxed{2x}", slow], ["1", "x+x", "1"], R.RewardConfig(timeout=0.5))
+    elapsed = time.perf_counter() - t0
+    assert correct == [False, True, False] and metrics["reward/timeouts"] == 2 and elapsed < 2.0
+    after = [p.pid for p in R._pool.procs]
+    assert len(after) == len(before) and set(after) != set(before)
+    for pid in set(before) - set(after):  # killed and reaped: gone from the process table, not a zombie
+        assert not Path(f"/proc/{pid}").exists() or sys.platform != "linux"
+    assert R.verify("\\boxed{\\sqrt{2}^2}", "2")  # the replacements work
+
+
+def test_import_is_cheap_and_pool_closes_at_exit():
+    code = ("import sys, rewards; assert 'sympy' not in sys.modules and rewards._pool is None; "
+            "rewards.verify('\\\\boxed{x+1}', '1+x'); print(*[p.pid for p in rewards._pool.procs])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == R.RewardConfig().workers
+    time.sleep(0.2)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()] or sys.platform != "linux"

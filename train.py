@@ -1,0 +1,464 @@
+"""GRPO with experience replay, in one flat loop.
+
+Usage:
+  python train.py --config configs/tiny.yaml --out_dir=runs/tiny                 # embedded model + task, CPU
+  python train.py --config configs/tiny.yaml --replay.strategy=aper --seed=1      # flip one key
+  python train.py --config configs/tiny.yaml --out_dir=runs/tiny --resume         # continue after a kill
+  torchrun --nproc_per_node=2 train.py --config configs/tiny.yaml --out_dir=runs/ddp
+
+Flags: --config FILE, --resume (continue from out_dir's latest checkpoint), --overwrite (start over in a
+non-empty out_dir), --debug (show tracebacks). Everything else is a dotted config override (config.py).
+
+One step, in order: rollout (HF generate, G samples per prompt, behaviour log-probs kept) → reward
+(rewards.py) → advantages (grpo.py; RLEP first appends replayed successes to each group) → replay sample
+(replay.py) → update on fresh ∪ replayed in mini-batches × micro-batches → replay push → log → eval →
+checkpoint. Bad input prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import grpo
+from config import Config, ConfigError, flatten as _flat, load_config, save_config, to_dict, validate
+from data.loaders import load_problems, read_jsonl
+from data.tiny_task import load_tiny
+from eval import evaluate
+from replay import make_replay
+from rewards import score_batch
+from rollout import Rollouts, format_prompt, generate, rollouts_from_texts
+
+RUN_FLAGS = ("--resume", "--overwrite", "--debug")
+
+
+class RunError(Exception):
+    """Bad input found while setting up a run (missing model, empty dataset, ...): one line, exit 2."""
+
+
+def load_train_eval(cfg: Config):
+    d = cfg.data
+    if d.train == "tiny":
+        train = load_tiny("train", d.tiny_train_size, max_int=d.tiny_max_int, max_den=d.tiny_max_den, kinds=d.tiny_kinds)
+    else:
+        train = load_problems(d.train, data_dir=d.data_dir or None, problem_key=d.problem_key or None, answer_key=d.answer_key or None)
+    evals = []
+    for spec in d.eval.split(","):
+        if spec == "tiny":
+            evals += load_tiny("test", cfg.eval.n or 500, max_int=d.tiny_max_int, max_den=d.tiny_max_den, kinds=d.tiny_kinds)
+        else:
+            evals += load_problems(spec, data_dir=d.data_dir or None, limit=cfg.eval.n or None)
+    return train, evals
+
+
+def prompt_order(n: int, position: int, count: int, seed: int) -> list[int]:
+    """Indices of the next `count` training problems: a fresh seeded permutation each epoch.
+    A pure function of the position, so resuming only needs the position."""
+    out = []
+    while len(out) < count:
+        epoch, offset = divmod(position, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        take = perm[offset : offset + count - len(out)]
+        out += take
+        position += len(take)
+    return out
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, replay, state: dict, keep_last: int) -> None:
+    """Write checkpoints/step_N atomically: a temporary folder renamed into place, then `latest` updated last."""
+    ckdir = out / "checkpoints"
+    ckdir.mkdir(exist_ok=True)
+    final, tmp = ckdir / f"step_{step:06d}", ckdir / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    getattr(model, "module", model).save_pretrained(tmp)
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "replay": replay.state_dict(), "rng": rng_state(), **state},
+        tmp / "trainer_state.pt",
+    )
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    (ckdir / "latest.tmp").write_text(final.name)
+    os.replace(ckdir / "latest.tmp", ckdir / "latest")
+    done = sorted(p for p in ckdir.glob("step_*") if p.is_dir())
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    flags = {a for a in argv if a in RUN_FLAGS}
+    overrides, config_path, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            config_path, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 1
+        elif a.startswith("--config="):
+            config_path = a.split("=", 1)[1]
+        elif a not in RUN_FLAGS:
+            overrides.append(a)
+        i += 1
+    try:
+        if config_path == "":
+            raise ConfigError("--config needs a file")
+        cfg = load_config(config_path, overrides)
+        validate(cfg)
+        train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
+    except (ConfigError, RunError, FileNotFoundError, ValueError, OSError) as e:
+        if "--debug" in flags:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
+    # ---------------------------------------------------------------- setup
+    t_start = time.time()
+    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    master = rank == 0
+    out = Path(cfg.out_dir)
+    ckpt_dir = out / "checkpoints"
+    latest = ckpt_dir / "latest"
+    if resume and not latest.is_file():
+        raise RunError(f"--resume: no complete checkpoint in {ckpt_dir}")
+    if master:
+        if out.exists() and any(out.iterdir()) and not (resume or overwrite):
+            raise RunError(f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over")
+        try:
+            if overwrite and not resume and out.exists():
+                shutil.rmtree(out)
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / ".write_test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise RunError(f"out_dir {out} is not writable: {e.strerror}") from None
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed + rank)  # ranks sample different completions
+
+    if cfg.model.device == "auto":
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.model.device)
+    model_path = cfg.model.path
+    if not Path(model_path).exists() and (model_path.startswith((".", "/")) or model_path.count("/") != 1):
+        raise RunError(f"model.path {model_path} does not exist (a local folder or an org/name hub id)")
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    load = dict(trust_remote_code=cfg.model.trust_remote_code, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, **load).to(device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    ref_model = None
+    if cfg.grpo.beta > 0:  # the frozen reference costs a full model copy: only load it when the KL term is on
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).to(device).eval().requires_grad_(False)
+    gen_model = model  # generation always runs on the plain module
+    fwd_model = torch.compile(model) if cfg.model.compile else model
+    if distributed:
+        fwd_model = torch.nn.parallel.DistributedDataParallel(fwd_model, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.model.autocast else nullcontext()
+
+    train_problems, eval_problems = load_train_eval(cfg)
+    if not train_problems:
+        raise RunError(f"data.train {cfg.data.train!r} holds no problems")
+    prompts_all = [format_prompt(tokenizer, p.problem, cfg.data.template) for p in train_problems]
+    n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size
+    if n_prompts % world:
+        raise RunError(f"prompts per step ({n_prompts}) must be divisible by the number of processes ({world})")
+    G = cfg.rollout.group_size
+    max_len = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts_all) + cfg.rollout.max_new_tokens
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
+    )
+    warmup = max(1, cfg.optim.warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    replay = make_replay(cfg.replay, max_len=max_len, pad_id=tokenizer.pad_token_id, seed=cfg.seed + rank)
+    if cfg.replay.strategy == "rlep" and cfg.replay.rlep_source:
+        replay.load_rlep_solutions(rlep_solutions(cfg, tokenizer, train_problems, prompts_all))
+
+    start_step, generated_tokens, skipped, wandb_id, history = 0, 0, {"nonfinite": 0, "zero_adv": 0}, None, {}
+    if resume:
+        ck = ckpt_dir / latest.read_text().strip()
+        state = torch.load(ck / "trainer_state.pt", weights_only=False)  # our own file, written by save_checkpoint
+        changed = sorted(k for k, v in _flat(to_dict(cfg)).items() if _flat(state["config"]).get(k) != v)
+        if changed and master:
+            print(f"note: resuming with changed config keys: {', '.join(changed)}", file=sys.stderr)
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(ck, **load).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        replay.load_state_dict(state["replay"])
+        set_rng_state(state["rng"])
+        start_step, generated_tokens, skipped, wandb_id, history = (
+            state["step"], state["generated_tokens"], state["skipped"], state["wandb_id"], state["history"]
+        )
+        if master:  # drop log lines written after the checkpoint: they will be produced again
+            lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+            kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] < start_step]
+            (out / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
+
+    run = None
+    if master:
+        save_config(cfg, out / "config.yaml")
+        if cfg.wandb.mode != "disabled":
+            import wandb
+
+            run = wandb.init(
+                project=cfg.wandb.project,
+                group=cfg.wandb.group or None,
+                name=cfg.wandb.name or f"{cfg.replay.strategy}-s{cfg.seed}",
+                tags=[cfg.replay.strategy],
+                config=to_dict(cfg),
+                dir=str(out),
+                mode=cfg.wandb.mode,
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+            )
+            wandb_id = run.id
+    metrics_file = open(out / "metrics.jsonl", "a") if master else None
+
+    def run_eval() -> dict:
+        # Eval draws from its own fixed seed so that how often we evaluate never changes training randomness.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            return evaluate(
+                gen_model, tokenizer, eval_problems, k=cfg.eval.k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, batch_size=cfg.rollout.gen_batch_size,
+                template=cfg.data.template, reward_cfg=cfg.reward,
+            )
+
+    if start_step == 0 and master:
+        history["eval_initial"] = run_eval()
+
+    # ---------------------------------------------------------------- training loop
+    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=not master, dynamic_ncols=True)
+    last_eval = history.get("eval_last", history.get("eval_initial", {})).get("accuracy", float("nan"))
+    for step in bar:
+        t = {}
+        t0 = time.time()
+
+        # 1. Rollout: this rank's share of the step's prompts, G samples each.
+        idx = prompt_order(len(train_problems), step * n_prompts, n_prompts, cfg.seed)[rank::world]
+        fresh, texts = generate(
+            gen_model, tokenizer, [prompts_all[i] for i in idx], G, max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, batch_size=cfg.rollout.gen_batch_size,
+            prompt_idx=idx, step=step,
+        )
+        new_tokens = int(fresh.completion_len.sum())
+        if distributed:
+            new_tokens = int(all_reduce(torch.tensor(float(new_tokens))))
+        generated_tokens += new_tokens
+        t["generate"] = time.time() - t0
+
+        # 2. Reward: verify each completion against its gold answer.
+        t0 = time.time()
+        rewards, correct, reward_metrics = score_batch(texts, [train_problems[i].answer for i in idx for _ in range(G)], cfg.reward)
+        fresh.reward = torch.tensor(rewards, dtype=torch.float32)
+        fresh.correct = torch.tensor(correct, dtype=torch.bool)
+        t["reward"] = time.time() - t0
+
+        # 3. Advantages within each group (RLEP first appends stored successes of the same prompt to each group).
+        t0 = time.time()
+        fresh = replay.before_advantages(fresh, step)
+        fresh.advantage, adv_metrics = grpo.group_advantages(fresh.reward, fresh.group, cfg.grpo.adv_scale, cfg.grpo.adv_eps)
+        t["advantage"] = time.time() - t0
+
+        # 4. Replay: add stored rollouts to this update (strategy from config; `none` adds nothing).
+        t0 = time.time()
+        replayed = replay.sample(fresh, step)
+        batch = fresh if replayed is None else Rollouts.cat([fresh, replayed], tokenizer.pad_token_id)
+        t["replay_sample"] = time.time() - t0
+
+        # 5. Update: mini-batches (optimizer steps) × micro-batches (gradient accumulation).
+        t0 = time.time()
+        mask_all = batch.completion_mask()
+        prox_all = None
+        if cfg.optim.minibatches > 1:  # later mini-batches need π at the start of the step: one no-grad pass
+            prox_all = grpo.batched_logprobs(fwd_model, batch.tokens.to(device), batch.attention_mask().to(device),
+                                             cfg.rollout.temperature, cfg.optim.logprob_batch_size).cpu()
+        t["prox_logprobs"] = time.time() - t0
+        t["forward_backward"] = t["optimizer"] = 0.0
+        order = torch.randperm(len(batch)) if cfg.optim.minibatches > 1 else torch.arange(len(batch))
+        step_metrics, row_entropy = [], torch.zeros(len(batch))
+        for mb_rows in order.chunk(cfg.optim.minibatches):
+            t1 = time.time()
+            # Normalisers are totals over the whole mini-batch (all micro-batches, all ranks), so accumulation
+            # gives the full-batch gradient. DDP averages gradients over ranks, hence the `* world` below.
+            counts = torch.tensor([len(mb_rows), float(mask_all[mb_rows].sum()), float((batch.advantage[mb_rows] != 0).any())])
+            if distributed:
+                dist.all_reduce(counts)
+            n_seqs, n_tokens, any_signal = int(counts[0]), int(counts[1]), bool(counts[2] > 0)
+            optimizer.zero_grad(set_to_none=True)
+            mb_metrics = []
+            micro = mb_rows.split(cfg.optim.micro_batch_size)
+            for j, mu_rows in enumerate(micro):
+                mu = batch.select(mu_rows)
+                tokens, attn, mask = mu.tokens.to(device), mu.attention_mask().to(device), mu.completion_mask().to(device)
+                prox = prox_all[mu_rows, : tokens.shape[1]].to(device) if prox_all is not None else None
+                ref = None
+                if ref_model is not None:
+                    with torch.no_grad(), autocast:
+                        ref, _ = grpo.token_logprobs(ref_model, tokens, attn, cfg.rollout.temperature)
+                # DDP all-reduces gradients on the last micro-batch only.
+                sync = fwd_model.no_sync() if distributed and j < len(micro) - 1 else nullcontext()
+                with sync, autocast:
+                    logp, ent = grpo.token_logprobs(fwd_model, tokens, attn, cfg.rollout.temperature, with_entropy=True)
+                    loss, m = grpo.policy_loss(
+                        logp, mu.behav_logp.to(device), mu.advantage.to(device), mask, mu.onpolicy.to(device), cfg.grpo,
+                        n_seqs=n_seqs, n_tokens=n_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
+                        prox_logp=prox, ref_logp=ref, entropy=ent,
+                    )
+                    if any_signal:
+                        (loss * world).backward()
+                row_entropy[mu_rows] = ((ent.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
+                mb_metrics.append(m)
+            t["forward_backward"] += time.time() - t1
+            t1 = time.time()
+            mb = grpo.combine_metrics(mb_metrics)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf")) if any_signal else torch.tensor(0.0)
+            if not any_signal:  # every advantage is zero: skip, so weight decay and Adam momentum do not move the weights
+                skipped["zero_adv"] += 1
+            elif not (np.isfinite(mb["loss"]) and torch.isfinite(grad_norm)):
+                skipped["nonfinite"] += 1  # a NaN/inf loss or gradient never reaches the weights
+            else:
+                optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_metrics.append({**mb, "grad_norm": float(grad_norm)})
+            t["optimizer"] += time.time() - t1
+        batch.entropy = row_entropy
+
+        # 6. Replay push: the fresh rows (with rewards, advantages, behaviour log-probs and entropy) go in.
+        t0 = time.time()
+        replay.push(batch.select(~batch.replayed), step)
+        t["replay_push"] = time.time() - t0
+
+        # 7. Log: one line per step; loss metrics combined over micro-batches, averaged over mini-batches.
+        is_fresh = ~batch.replayed
+        row = {
+            "step": step + 1,
+            "generated_tokens": generated_tokens,
+            "reward_mean": float(batch.reward[is_fresh].mean()),
+            "correct_mean": float(batch.correct[is_fresh].float().mean()),
+            "response_len": float(batch.completion_len[is_fresh].float().mean()),
+            "truncated_frac": float(batch.truncated[is_fresh].float().mean()),
+            **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
+            **adv_metrics,
+            **reward_metrics,
+            **replay.metrics(),
+            "replay/rows": int(batch.replayed.sum()),
+            "replay/token_share": float(mask_all[batch.replayed].sum() / mask_all.sum().clamp(min=1)),
+            "skipped/zero_adv": skipped["zero_adv"],
+            "skipped/nonfinite": skipped["nonfinite"],
+            "lr": scheduler.get_last_lr()[0],
+            **{f"time/{k}": v for k, v in t.items()},
+        }
+
+        # 8. Eval every N steps and at the end.
+        if master and ((cfg.eval.every and (step + 1) % cfg.eval.every == 0) or step + 1 == cfg.max_steps):
+            t0 = time.time()
+            ev = run_eval()
+            history["eval_last"] = ev
+            last_eval = ev["accuracy"]
+            row.update({f"eval/{k}": v for k, v in ev.items()})
+            row["time/eval"] = time.time() - t0
+        row["time/step"] = sum(v for k, v in row.items() if k.startswith("time/") and k != "time/step")
+        row["wall_seconds"] = time.time() - t_start + history.get("wall_before", 0.0)
+        if master:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            if run:
+                run.log(row, step=step + 1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", eval=f"{last_eval:.3f}")
+
+        # 9. Checkpoint: everything needed to continue this exact run.
+        if master and cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.max_steps:
+            history["wall_before"] = row["wall_seconds"]
+            state = {"step": step + 1, "generated_tokens": generated_tokens, "skipped": skipped, "wandb_id": wandb_id,
+                     "history": history, "config": to_dict(cfg)}
+            save_checkpoint(out, step + 1, model, optimizer, scheduler, replay, state, cfg.checkpoint.keep_last)
+
+    # ---------------------------------------------------------------- finish
+    summary = {}
+    if master:
+        model.save_pretrained(out / "final")
+        tokenizer.save_pretrained(out / "final")
+        last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]) if cfg.max_steps else {}
+        ev0, ev1 = history.get("eval_initial", {}), history.get("eval_last", history.get("eval_initial", {}))
+        summary = {
+            "strategy": cfg.replay.strategy,
+            "seed": cfg.seed,
+            "steps": cfg.max_steps,
+            "eval_accuracy_initial": ev0.get("accuracy"),
+            "eval_accuracy_final": ev1.get("accuracy"),
+            "eval_response_len_final": ev1.get("response_len"),
+            "generated_tokens": generated_tokens,
+            "wall_seconds": last.get("wall_seconds", time.time() - t_start),
+            "entropy_final": last.get("entropy"),
+            "skipped_updates": skipped,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        metrics_file.close()
+        if run:
+            run.summary.update(summary)
+            run.finish()
+    if distributed:
+        dist.destroy_process_group()
+    return summary
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)
+    return x
+
+
+def rlep_solutions(cfg: Config, tokenizer, problems, prompts_all) -> Rollouts:
+    """RLEP phase I from a JSONL of verified solutions: {"prompt_idx": i | "problem": text, "completion": text}."""
+    by_problem = {p.problem: i for i, p in enumerate(problems)}
+    idx, completions = [], []
+    for lineno, r in enumerate(read_jsonl(cfg.replay.rlep_source), 1):
+        i = r.get("prompt_idx", by_problem.get(r.get("problem")))
+        if not isinstance(i, int) or not 0 <= i < len(problems) or not isinstance(r.get("completion"), str):
+            raise RunError(f"{cfg.replay.rlep_source}: row {lineno} needs a known prompt_idx or problem, and a completion")
+        idx.append(i)
+        completions.append(r["completion"])
+    if not idx:
+        raise RunError(f"replay.rlep_source {cfg.replay.rlep_source} holds no solutions")
+    ro = rollouts_from_texts(tokenizer, [prompts_all[i] for i in idx], completions, idx, cfg.rollout.max_new_tokens)
+    ro.reward = torch.full((len(idx),), cfg.reward.correct)
+    ro.correct = torch.ones(len(idx), dtype=torch.bool)
+    return ro
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
