@@ -110,7 +110,7 @@ def _last_boxed(text):
     for m in list(_BOX.finditer(text))[-20:]:  # bounded work however many boxes there are
         depth, i, stop = 1, m.end(), min(len(text), m.end() + MAX_ANSWER)
         while i < stop and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            depth += (text[i] == "{") - (text[i] == "}")
             i += 1
         if depth == 0:  # unclosed or overlong boxes are ignored
             boxes.append((m.start(), i, text[m.end():i - 1]))
@@ -226,8 +226,10 @@ def _canon(s):
 
 def _quick_equal(pred, gold, rel_tol):
     """True/False when decidable in-process without sympy; None means "ask a worker"."""
-    if not pred or _canon(pred) == _canon(gold):
-        return bool(pred)
+    if not pred:
+        return False
+    if _canon(pred) == _canon(gold):
+        return True
     if not (_PLAIN.fullmatch(pred) and _PLAIN.fullmatch(gold)):
         return None
     (a, _, da), (b, _, db) = pred.partition("/"), gold.partition("/")
@@ -358,18 +360,23 @@ class _Parser:
         value = self._unary()
         while True:
             t = self._peek()
-            if t in ("*", "\\cdot", "\\times", "/", "\\div"):
+            if t in ("*", "\\cdot", "\\times"):
                 self._next()
-                value = value * self._unary() if t not in ("/", "\\div") else value / self._unary()
+                value = value * self._unary()
+            elif t in ("/", "\\div"):
+                self._next()
+                value = value / self._unary()
             elif t in _STARTS_ATOM or (t and self.toks[self.i][0] in ("num", "word")):
                 value = value * self._power()  # implicit product: 2\pi r, (a+5)(b+2)
             else:
                 return value
 
     def _unary(self):
-        if self._peek() in ("-", "+"):
-            return -self._unary() if self._next() == "-" else self._unary()
-        return self._power()
+        negative = False
+        while self._peek() in ("-", "+"):  # a loop, not recursion: "- - - 1" has no depth
+            negative ^= self._next() == "-"
+        value = self._power()
+        return -value if negative else value
 
     def _power(self):
         value = self._atom()
@@ -386,7 +393,7 @@ class _Parser:
         return self._atom()
 
     def _atom(self):
-        self.depth += 1  # every recursion passes through here
+        self.depth += 1  # every nested bracket, argument or exponent passes through here
         try:
             if self.depth > MAX_DEPTH:
                 raise _Refused("depth")
@@ -428,6 +435,8 @@ class _Parser:
             value = self._expr()
             self._expect("|")
             return sympy.Abs(value)
+        if kind != "cmd":
+            raise _Refused(f"unexpected {t}")
         constants = {"\\pi": sympy.pi, "\\infty": sympy.oo, "\\emptyset": sympy.S.EmptySet}
         if t in constants:
             return constants[t]

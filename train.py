@@ -224,7 +224,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         )
         if master:  # drop log lines written after the checkpoint: they will be produced again
             lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
-            kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] < start_step]
+            kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= start_step]
             (out / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
 
     run = None

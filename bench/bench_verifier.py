@@ -51,7 +51,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per verifier and workload; best is kept")
     args = parser.parse_args()
 
-    rows = [json.loads(line) for line in open(args.data / "benchmarks" / "math500_test.jsonl")]
+    rows = [json.loads(line) for line in (args.data / "benchmarks" / "math500_test.jsonl").read_text().splitlines()]
     golds = [r["answer"] for r in rows]
     workloads = {"matched": [r["solution"] for r in rows],
                  "shifted": [rows[(i + 1) % len(rows)]["solution"] for i in range(len(rows))]}

@@ -24,7 +24,7 @@ def read_jsonl(relative):
     path = DATA / relative
     if not path.exists():
         pytest.skip(f"shared data file {path} not found (set SHARED_DATA_DIR)")
-    return [json.loads(line) for line in open(path)]
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # ------------------------------------------------------------------------------------------- hand examples
@@ -138,9 +138,10 @@ def test_no_false_positives_across_math500_problems():
     pairs = [(i, (i + k) % len(rows)) for k in range(1, 11) for i in range(len(rows))]
     _, correct, metrics = R.score_batch([rows[j]["solution"] for _, j in pairs], [rows[i]["answer"] for i, _ in pairs],
                                         R.RewardConfig())
-    key = lambda answer: re.sub(r"\s+|^[a-z]=", "", answer)  # noqa: E731
+    def same_answer(i, j):
+        return re.sub(r"\s+|^[a-z]=", "", rows[i]["answer"]) == re.sub(r"\s+|^[a-z]=", "", rows[j]["answer"])
     wrong = [(i, j, rows[i]["answer"], rows[j]["answer"]) for (i, j), ok in zip(pairs, correct)
-             if ok and key(rows[i]["answer"]) != key(rows[j]["answer"]) and (i, j) not in TRULY_EQUAL]
+             if ok and not same_answer(i, j) and (i, j) not in TRULY_EQUAL]
     print(f"cross-problem pairs judged equal: {sum(correct)} of {len(pairs)}, all truly equal: {not wrong}")
     assert wrong == [] and metrics["reward/timeouts"] == 0
 
@@ -182,7 +183,8 @@ def test_model_text_is_never_executed(tmp_path, monkeypatch):
         assert R._equivalent(R._normalize(p), "0", 1e-6) is False
         assert R._equivalent(R._normalize(p), R._normalize(p) + "+1", 1e-6) is False
     assert not target.exists()
-    assert not [s for s in seen if "pwned" in s or "zq_marker" in s or "__" in s]
+    markers = ("pwned", "zq_marker", "__import__", "__subclasses__", "open(")
+    assert not [s for s in seen if any(m in s for m in markers)]
 
 
 def test_worker_timeout_kills_and_replaces():
@@ -190,7 +192,7 @@ def test_worker_timeout_kills_and_replaces():
     before = [p.pid for p in R._pool.procs]
     slow = "\\boxed{\\sum_{k=1}^{10^{6}} k^{k}}"  # sympy grinds through a million huge terms
     t0 = time.perf_counter()
-    rewards, correct, metrics = R.score_batch([slow, "\\boxed{2x}", slow], ["1", "x+x", "1"], R.RewardConfig(timeout=0.5))
+    _, correct, metrics = R.score_batch([slow, "\\boxed{2x}", slow], ["1", "x+x", "1"], R.RewardConfig(timeout=0.5))
     elapsed = time.perf_counter() - t0
     assert correct == [False, True, False] and metrics["reward/timeouts"] == 2 and elapsed < 2.0
     after = [p.pid for p in R._pool.procs]
@@ -203,7 +205,7 @@ def test_worker_timeout_kills_and_replaces():
 def test_import_is_cheap_and_pool_closes_at_exit():
     code = ("import sys, rewards; assert 'sympy' not in sys.modules and rewards._pool is None; "
             "rewards.verify('\\\\boxed{x+1}', '1+x'); print(*[p.pid for p in rewards._pool.procs])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == R.RewardConfig().workers
