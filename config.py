@@ -40,7 +40,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (real models, long responses)."""
     compile: bool = False
-    """torch.compile the model for the training forward."""
+    """torch.compile the model for the training forward (generation stays eager; shapes vary, so expect a few recompiles)."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. auto = cuda when available (the local rank's GPU under torchrun)."""
 
@@ -82,7 +82,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling; behaviour log-probs are of the truncated distribution actually sampled."""
     gen_batch_size: int = 256
-    """Sequences per `generate` call (memory knob)."""
+    """Sequences decoded together (memory knob for generation; prompts per call = gen_batch_size // group_size)."""
 
 
 @dataclass
@@ -102,9 +102,11 @@ class OptimConfig:
     minibatches: int = 1
     """Optimizer steps per generation step; the update batch is split into this many mini-batches of whole groups."""
     micro_batch_size: int = 64
-    """Rows per forward/backward; gradients accumulate over micro-batches (no effect on the maths)."""
+    """Rows per forward/backward (training memory knob); rows are length-sorted, gradients accumulate: no effect on the maths."""
     logprob_batch_size: int = 128
-    """Rows per no-grad forward (proximal / reference log-probs)."""
+    """Rows per no-grad forward (proximal / reference log-probs; memory knob)."""
+    skip_zero_adv: bool = True
+    """Skip the forward/backward of rows with advantage 0 (exactly 0 gradient when grpo.beta = 0); loss metrics cover trained rows."""
 
 
 @dataclass
@@ -253,20 +255,29 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def read_yaml(path: str | Path, seen: tuple = ()) -> dict:
+    """Flat {dotted key: value} of a YAML config; a top-level `base: other.yaml` (relative to this file) is read first."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if p.resolve() in seen:
+        raise ConfigError(f"config file {path} includes itself through `base`")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    base = data.pop("base", None)
+    flat = read_yaml(p.parent / base, seen + (p.resolve(),)) if base else {}
+    return {**flat, **flatten(data)}
+
+
 def load_config(path: str | None, overrides: list[str]) -> Config:
-    """Defaults, then the YAML file at `path`, then `--key=value` / `--key value` overrides."""
+    """Defaults, then the YAML file at `path` (after its `base` chain), then `--key=value` / `--key value` overrides."""
     cfg = Config()
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
-        for k, v in flatten(data).items():
+        for k, v in read_yaml(path).items():
             _set(cfg, k, v)
     i = 0
     while i < len(overrides):

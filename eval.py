@@ -98,8 +98,10 @@ def evaluate(model, tokenizer, problems: list[Problem], *, k: int, temperature: 
 
 
 def sample_and_score(model, tokenizer, problems: list[Problem], *, k: int, temperature: float, top_p: float,
-                     max_new_tokens: int, batch_size: int, template: str, reward_cfg, desc: str | None = None) -> list[dict]:
-    """One record per problem: per-sample correctness, extracted answers, token counts. tqdm bar if `desc`."""
+                     max_new_tokens: int, batch_size: int, template: str, reward_cfg, desc: str | None = None,
+                     keep_texts: bool = False) -> list[dict]:
+    """One record per problem: per-sample correctness, extracted answers, token counts (and every completion
+    if `keep_texts`). tqdm bar if `desc`."""
     per_call = max(1, batch_size // k)  # prompts per generate call, so that one call holds ~batch_size sequences
     records = []
     for start in tqdm(range(0, len(problems), per_call), desc=desc, disable=desc is None):
@@ -115,6 +117,7 @@ def sample_and_score(model, tokenizer, problems: list[Problem], *, k: int, tempe
                 "answers": [rewards.extract_answer(t, reward_cfg.last_number_fallback) for t in texts[rows]],
                 "tokens": ro.completion_len[rows].tolist(), "truncated": ro.truncated[rows].tolist(),
                 "sample": texts[j * k],  # one completion per problem, to read what the model does
+                **({"completions": texts[rows]} if keep_texts else {}),
             })
     return records
 
@@ -303,7 +306,7 @@ def run_eval(args) -> None:
 
     benchmarks = {}
     for spec in args.benchmarks.split(","):
-        name = spec if spec in NAMED or spec == "tiny" or spec.startswith("hf:") else Path(spec).stem
+        name = spec if spec in NAMED or spec in ("tiny", "tiny_train") or spec.startswith("hf:") else Path(spec).stem
         try:  # all data first, so a typo fails before a slow model load
             benchmarks[name] = load_problems(spec, data_dir=args.data_dir, problem_key=args.problem_key,
                                              answer_key=args.answer_key, limit=args.limit)
@@ -329,8 +332,20 @@ def run_eval(args) -> None:
     for name, problems in benchmarks.items():
         records[name] = sample_and_score(model, tokenizer, problems, k=args.k, temperature=args.temperature,
                                          top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                         template=args.template, reward_cfg=rewards.RewardConfig(), desc=name)
+                                         template=args.template, reward_cfg=rewards.RewardConfig(), desc=name,
+                                         keep_texts=bool(args.save_correct))
         results[name] = summarize(records[name])
+    if args.save_correct:  # RLEP phase I: every verified-correct completion, keyed by its problem text
+        problem_text = {p.id: p.problem for ps in benchmarks.values() for p in ps}
+        n = 0
+        with open(args.save_correct, "w") as f:
+            for recs in records.values():
+                for r in recs:
+                    for text, ok in zip(r.pop("completions"), r["correct"]):
+                        if ok:
+                            f.write(json.dumps({"problem": problem_text[r["id"]], "completion": text}) + "\n")
+                            n += 1
+        print(f"wrote {n} verified-correct completions to {args.save_correct}")
     print(results_table(results, args.k))
     out = Path(args.out_dir or Path("eval_results") / local.name)
     out.mkdir(parents=True, exist_ok=True)
@@ -359,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--template", default=DEFAULT_TEMPLATE, help="instruction with a {problem} slot (braces doubled)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--save-correct", metavar="JSONL", help="write every verified-correct completion (RLEP phase I)")
     c = ap.add_argument_group("comparing runs")
     c.add_argument("--baseline", default="none", help="strategy that AES and the default target are measured against")
     c.add_argument("--target", type=float, help="eval accuracy (0-1) for tokens-to-target (default: baseline's final mean)")

@@ -125,6 +125,51 @@ def token_logprobs(model, tokens: Tensor, attention_mask: Tensor, temperature: f
     return logp, entropy
 
 
+def completion_logprobs(
+    model, tokens: Tensor, prompt_len: Tensor, seq_len: Tensor, temperature: float, with_entropy: bool = False, share_prompt: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` of the completion tokens of rows `prompt | completion | pad` (B, L); 0 elsewhere.
+
+    The G rows of a group share their prompt, so each distinct prompt (all but its last token) is run through the
+    model once and its KV cache copied to its rows; the completion pass (the prompt's last token, then the completion)
+    attends to that cache at positions continuing the prompt, exactly as one pass over the whole row would, and
+    gradients flow back through the copies. Each pass is padded to its own longest part, not the longest row.
+    share_prompt=False runs the whole rows instead: gradient checkpointing drops the KV cache, so it needs that.
+    """
+    B, L = tokens.shape
+    comp_len = seq_len - prompt_len  # (B,)
+    ar = torch.arange(L, device=tokens.device)
+    in_completion = (ar[None] >= prompt_len[:, None]) & (ar[None] < seq_len[:, None])  # (B, L)
+    if not share_prompt or int(prompt_len.min()) < 2:
+        logp, ent = token_logprobs(model, tokens, (ar[None] < seq_len[:, None]).long(), temperature, with_entropy)
+        return torch.where(in_completion, logp, 0.0), (torch.where(in_completion, ent, 0.0) if with_entropy else None)
+
+    n_prefix = prompt_len - 1  # (B,)
+    P, C = int(n_prefix.max()), int(comp_len.max())
+    prefix = torch.where(ar[None, :P] < n_prefix[:, None], tokens[:, :P], 0)  # (B, P), right-padded
+    distinct, row_prefix = torch.unique(torch.cat([n_prefix[:, None], prefix], 1), dim=0, return_inverse=True)  # (n, 1+P), (B,)
+    prefix_mask = (ar[None, :P] < distinct[:, :1]).long()  # (n, P)
+    cache = model(input_ids=distinct[:, 1:], attention_mask=prefix_mask, use_cache=True, logits_to_keep=1).past_key_values
+    if cache is None or cache.get_seq_length() == 0:
+        raise RuntimeError("the model returned no KV cache (gradient checkpointing?): call with share_prompt=False")
+    cache.batch_select_indices(row_prefix)
+
+    j = ar[None, :C]  # (1, C)
+    valid = j < comp_len[:, None]  # (B, C) input j predicts completion token j
+    col = (n_prefix[:, None] + j).clamp(max=L - 2)  # (B, C) column of input j; its target sits at col + 1
+    out = model(input_ids=tokens.gather(1, col), attention_mask=torch.cat([prefix_mask[row_prefix], valid.long()], 1),
+                position_ids=n_prefix[:, None] + j, past_key_values=cache, use_cache=True)
+    z = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)) / temperature  # (B, C, V)
+    lse = torch.logsumexp(z, dim=-1)  # (B, C)
+
+    def to_rows(x: Tensor) -> Tensor:  # (B, C) -> (B, L): completion token j back at column prompt_len + j
+        return torch.zeros(B, L, dtype=x.dtype, device=x.device).scatter_add(1, col + 1, torch.where(valid, x, 0.0))
+
+    logp = to_rows(z.gather(-1, tokens.gather(1, col + 1)[..., None]).squeeze(-1) - lse)
+    entropy = to_rows(lse - (torch.softmax(z, dim=-1) * z).sum(-1)) if with_entropy else None
+    return logp, entropy
+
+
 @torch.no_grad()
 def batched_logprobs(model, tokens: Tensor, attention_mask: Tensor, temperature: float, micro_batch_size: int) -> Tensor:
     """`token_logprobs` over micro-batches without grad, each trimmed to its longest row (right padding). (B, L)"""

@@ -17,8 +17,10 @@ checkpoint. Bad input prints one line and exits 2.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -77,32 +79,59 @@ def prompt_order(n: int, position: int, count: int, seed: int) -> list[int]:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every global RNG as tuples, lists and tensors: the checkpoint then loads with torch.load(weights_only=True)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    s = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
 
 
 def set_rng_state(s: dict) -> None:
     random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    kind, keys, pos, has_gauss, gauss = s["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, replay, state: dict, keep_last: int) -> None:
-    """Write checkpoints/step_N atomically: a temporary folder renamed into place, then `latest` updated last."""
+def skip_reason(any_signal: bool, loss: float, grad_norm: torch.Tensor) -> str | None:
+    """Why an optimizer step must leave the weights alone (a key of the `skipped/*` counters), or None to step.
+    All-zero advantages: AdamW would still move the weights (momentum, weight decay) on a zero gradient."""
+    if not any_signal:
+        return "zero_adv"
+    if not (np.isfinite(loss) and bool(torch.isfinite(grad_norm))):
+        return "nonfinite"
+    return None
+
+
+def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, scheduler, replay, state: dict, keep_last: int) -> None:
+    """Write checkpoints/step_N atomically: a temporary folder renamed into place, then `latest` updated last.
+    A kill at any point leaves `latest` naming a complete checkpoint; a failed write (full disk) removes its
+    temporary folder and stops the run with one line."""
     ckdir = out / "checkpoints"
-    ckdir.mkdir(exist_ok=True)
     final, tmp = ckdir / f"step_{step:06d}", ckdir / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    getattr(model, "module", model).save_pretrained(tmp)
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "replay": replay.state_dict(), "rng": rng_state(), **state},
-        tmp / "trainer_state.pt",
-    )
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    (ckdir / "latest.tmp").write_text(final.name)
-    os.replace(ckdir / "latest.tmp", ckdir / "latest")
-    done = sorted(p for p in ckdir.glob("step_*") if p.is_dir())
-    for old in done[:-keep_last]:
+    try:
+        ckdir.mkdir(exist_ok=True)
+        for stale in ckdir.glob(".tmp_step_*"):  # left by a run killed while writing
+            shutil.rmtree(stale, ignore_errors=True)
+        getattr(model, "module", model).save_pretrained(tmp)  # safetensors
+        tokenizer.save_pretrained(tmp)
+        trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "replay": replay.state_dict(),
+                         "rng": rng_state(), **state}
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        shutil.rmtree(final, ignore_errors=True)  # only exists when a resumed run redoes a step `latest` never named
+        os.replace(tmp, final)
+        (ckdir / "latest.tmp").write_text(final.name)
+        os.replace(ckdir / "latest.tmp", ckdir / "latest")
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = (ckdir / "latest").read_text().strip() if (ckdir / "latest").is_file() else None
+        raise RunError(f"checkpoint {final} could not be written ({e.strerror or e}); "
+                       + (f"{kept} is intact: fix the cause and --resume" if kept else "no earlier checkpoint")) from None
+    done = sorted(p for p in ckdir.glob("step_*") if p.is_dir() and p != final)
+    for old in done[: max(0, len(done) - (keep_last - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -124,7 +153,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(config_path, overrides)
         validate(cfg)
         train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
-    except (ConfigError, RunError, FileNotFoundError, ValueError, OSError) as e:
+    except (ConfigError, RunError) as e:  # bad input; any other exception is a bug and keeps its traceback
         if "--debug" in flags:
             raise
         print(f"error: {e}", file=sys.stderr)
@@ -132,27 +161,132 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def checked(what: str, load, *args, **kwargs):
+    """Call a loader; a missing or malformed file becomes one RunError line naming `what` (a config key)."""
+    try:
+        return load(*args, **kwargs)
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors and plain values
+        raise RunError(f"{what}: holds objects other than tensors and plain values; refusing to unpickle them") from None
+    except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise RunError(f"{what}: {lines[0]}") from None
+
+
+def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Rollouts, *, device: torch.device,
+                  autocast=nullcontext(), ref_model=None) -> tuple[list[dict], torch.Tensor, list[str | None], dict]:
+    """Step 5 of the loop: `cfg.optim.minibatches` optimizer steps on `batch`, each accumulating micro-batches.
+
+    Returns one metrics dict per optimizer step (loss metrics summed over micro-batches and ranks), each row's mean
+    token entropy (NaN for rows not trained on), why each optimizer step was skipped (None when it was taken), and
+    seconds per phase. Under torchrun `policy` is the DDP module and `batch` this rank's rows: the loss normalisers
+    are totals over all ranks, so the gradient DDP averages (hence `loss * world`) is that of the global batch.
+    Waste avoided, none of it changing the gradient: rows with advantage 0 are not run at all when beta = 0
+    (optim.skip_zero_adv), micro-batches hold rows of similar length, and each prompt is run once for its rows
+    (grpo.completion_logprobs; not under gradient checkpointing, which drops the KV cache that needs).
+    """
+    distributed = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
+    world = dist.get_world_size() if distributed else 1
+    plain = policy.module if distributed else policy  # no-grad passes need no gradient sync
+    share, T = not cfg.model.gradient_checkpointing, cfg.rollout.temperature
+    times = {"prox_logprobs": 0.0, "ref_logprobs": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
+    mask_all, comp_len = batch.completion_mask(), batch.completion_len
+
+    def logprobs(model, mu: Rollouts, **kw):
+        args = (mu.tokens.to(device), mu.prompt_len.to(device), mu.seq_len.to(device), T)
+        return grpo.completion_logprobs(model, *args, share_prompt=kw.pop("share_prompt", True), **kw)
+
+    prox_all = None
+    if cfg.optim.minibatches > 1:  # later mini-batches need π at the start of the step: one no-grad pass over all rows
+        t0 = time.time()
+        prox_all = torch.zeros(batch.tokens.shape)
+        for rows in torch.argsort(comp_len).split(cfg.optim.logprob_batch_size):
+            with torch.no_grad(), autocast:
+                lp, _ = logprobs(plain, batch.select(rows), share_prompt=share)
+            prox_all[rows, : lp.shape[1]] = lp.float().cpu()
+        times["prox_logprobs"] += time.time() - t0
+
+    order = torch.randperm(len(batch)) if cfg.optim.minibatches > 1 else torch.arange(len(batch))
+    step_metrics, reasons, row_entropy = [], [], torch.full((len(batch),), float("nan"))
+    for mb_rows in order.tensor_split(cfg.optim.minibatches):  # tensor_split: every rank takes the same number of steps
+        t0 = time.time()
+        # Normalisers are totals over the whole mini-batch (all micro-batches, all ranks), so accumulation
+        # gives the full-batch gradient.
+        counts = torch.tensor([len(mb_rows), float(mask_all[mb_rows].sum()), float((batch.advantage[mb_rows] != 0).any())])
+        if distributed:
+            dist.all_reduce(counts)
+        n_seqs, n_tokens, any_signal = int(counts[0]), int(counts[1]), bool(counts[2] > 0)
+        rows = mb_rows
+        if cfg.optim.skip_zero_adv and cfg.grpo.beta == 0:
+            rows = mb_rows[batch.advantage[mb_rows] != 0]
+            rows = rows if len(rows) else mb_rows[:1]  # one row (gradient exactly 0) keeps this rank in DDP's all-reduce
+        micro = rows[torch.argsort(comp_len[rows], stable=True)].split(cfg.optim.micro_batch_size)
+        optimizer.zero_grad(set_to_none=True)
+        mb_metrics, t_ref = [], 0.0
+        for j, mu_rows in enumerate(micro):
+            mu = batch.select(mu_rows)
+            mask = mu.completion_mask().to(device)
+            prox = prox_all[mu_rows, : mu.tokens.shape[1]].to(device) if prox_all is not None else None
+            ref = None
+            if ref_model is not None:
+                t1 = time.time()
+                with torch.no_grad(), autocast:
+                    ref, _ = logprobs(ref_model, mu)
+                t_ref += time.time() - t1
+            sync = policy.no_sync() if distributed and j < len(micro) - 1 else nullcontext()  # DDP syncs on the last one
+            with sync, autocast:
+                logp, ent = logprobs(policy, mu, with_entropy=True, share_prompt=share)
+                loss, m = grpo.policy_loss(
+                    logp, mu.behav_logp.to(device), mu.advantage.to(device), mask, mu.onpolicy.to(device), cfg.grpo,
+                    n_seqs=n_seqs, n_tokens=n_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
+                    prox_logp=prox, ref_logp=ref, entropy=ent,
+                )
+                if any_signal:
+                    (loss * world).backward()
+            row_entropy[mu_rows] = ((ent.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
+            mb_metrics.append(m)
+        if distributed:  # each rank measured its own rows; the sums in these metrics add up across ranks
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, mb_metrics)
+            mb_metrics = [m for part in per_rank for m in part]
+        times["ref_logprobs"] += t_ref
+        times["forward_backward"] += time.time() - t0 - t_ref
+
+        t0 = time.time()
+        mb = grpo.combine_metrics(mb_metrics)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf")) if any_signal else torch.tensor(0.0)
+        reason = skip_reason(any_signal, mb["loss"], grad_norm)  # all-zero advantages, or a NaN/inf loss or gradient
+        if reason is None:
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_metrics.append({**mb, "grad_norm": float(grad_norm)})
+        reasons.append(reason)
+        times["optimizer"] += time.time() - t0
+    return step_metrics, row_entropy, reasons, times
+
+
 def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     # ---------------------------------------------------------------- setup
     t_start = time.time()
     distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if distributed:  # torchrun: one process per device; rank 0 alone evaluates, the others wait at a barrier meanwhile
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(hours=2))
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     master = rank == 0
     out = Path(cfg.out_dir)
     ckpt_dir = out / "checkpoints"
     latest = ckpt_dir / "latest"
     if resume and not latest.is_file():
-        raise RunError(f"--resume: no complete checkpoint in {ckpt_dir}")
-    if master:
-        if out.exists() and any(out.iterdir()) and not (resume or overwrite):
-            raise RunError(f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over")
+        raise RunError(f"--resume: no complete checkpoint in {ckpt_dir} (pass --overwrite instead to start over)")
+    if master:  # nothing is deleted here: --overwrite clears out_dir only once every input has loaded
         try:
-            if overwrite and not resume and out.exists():
-                shutil.rmtree(out)
+            if out.exists() and any(out.iterdir()) and not (resume or overwrite):
+                raise RunError(f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over")
             out.mkdir(parents=True, exist_ok=True)
-            probe = out / ".write_test"
+            probe = out / f".write_test_{os.getpid()}"
             probe.write_text("")
             probe.unlink()
         except OSError as e:
@@ -163,19 +297,26 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed + rank)  # ranks sample different completions
 
+    train_problems, eval_problems = checked("data", load_train_eval, cfg)  # before the model: a bad file fails fast
+    if not train_problems:
+        raise RunError(f"data.train {cfg.data.train!r} holds no problems")
+
     if cfg.model.device == "auto":
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(cfg.model.device)
     model_path = cfg.model.path
-    if not Path(model_path).exists() and (model_path.startswith((".", "/")) or model_path.count("/") != 1):
+    hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/", "~")) and not Path(model_path).parent.is_dir()
+    if not Path(model_path).exists() and not hub_id:
         raise RunError(f"model.path {model_path} does not exist (a local folder or an org/name hub id)")
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    # Safe loading: code shipped in the model folder runs only if the config says so; weights load from safetensors
+    # (transformers falls back to torch.load with weights_only=True for .bin files).
     load = dict(trust_remote_code=cfg.model.trust_remote_code, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = checked(f"model.path {model_path}", AutoTokenizer.from_pretrained, model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, **load).to(device)
+    model = checked(f"model.path {model_path}", AutoModelForCausalLM.from_pretrained, model_path, **load).to(device)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -185,12 +326,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     gen_model = model  # generation always runs on the plain module
     fwd_model = torch.compile(model) if cfg.model.compile else model
     if distributed:
-        fwd_model = torch.nn.parallel.DistributedDataParallel(fwd_model, device_ids=[device.index] if device.type == "cuda" else None)
+        fwd_model = torch.nn.parallel.DistributedDataParallel(
+            fwd_model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+        )  # no buffer broadcast: forwards then need no collective, and ranks may run different numbers of micro-batches
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.model.autocast else nullcontext()
 
-    train_problems, eval_problems = load_train_eval(cfg)
-    if not train_problems:
-        raise RunError(f"data.train {cfg.data.train!r} holds no problems")
     prompts_all = [format_prompt(tokenizer, p.problem, cfg.data.template) for p in train_problems]
     n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size
     if n_prompts % world:
@@ -205,27 +345,48 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     replay = make_replay(cfg.replay, max_len=max_len, pad_id=tokenizer.pad_token_id, seed=cfg.seed + rank)
     if cfg.replay.strategy == "rlep" and cfg.replay.rlep_source:
-        replay.load_rlep_solutions(rlep_solutions(cfg, tokenizer, train_problems, prompts_all))
+        replay.load_rlep_solutions(checked("replay.rlep_source", rlep_solutions, cfg, tokenizer, train_problems, prompts_all))
 
-    start_step, generated_tokens, skipped, wandb_id, history = 0, 0, {"nonfinite": 0, "zero_adv": 0}, None, {}
+    # Run state beyond the weights. The prompt order is a pure function of `data_pos` (prompt_order), so the
+    # position is all a resume needs to continue the data stream exactly.
+    start_step, data_pos, generated_tokens, skipped, wandb_id, history = 0, 0, 0, {"nonfinite": 0, "zero_adv": 0}, None, {}
     if resume:
         ck = ckpt_dir / latest.read_text().strip()
-        state = torch.load(ck / "trainer_state.pt", weights_only=False)  # our own file, written by save_checkpoint
+        state = checked(f"checkpoint {ck}", torch.load, ck / "trainer_state.pt", weights_only=True)  # tensors and plain types only
         changed = sorted(k for k, v in _flat(to_dict(cfg)).items() if _flat(state["config"]).get(k) != v)
         if changed and master:
             print(f"note: resuming with changed config keys: {', '.join(changed)}", file=sys.stderr)
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(ck, **load).state_dict())
+        model.load_state_dict(checked(f"checkpoint {ck}", AutoModelForCausalLM.from_pretrained, ck, **load).state_dict())
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        replay.load_state_dict(state["replay"])
+        checked(f"checkpoint {ck} (replay buffer)", replay.load_state_dict, state["replay"])
         set_rng_state(state["rng"])
-        start_step, generated_tokens, skipped, wandb_id, history = (
-            state["step"], state["generated_tokens"], state["skipped"], state["wandb_id"], state["history"]
+        if distributed:  # each rank continues its own replay buffer and random streams
+            if len(state.get("ranks") or []) != world:
+                raise RunError(f"checkpoint {ck} was written by {len(state.get('ranks') or [1])} processes; resume it with as many")
+            checked(f"checkpoint {ck} (replay buffer)", replay.load_state_dict, state["ranks"][rank]["replay"])
+            set_rng_state(state["ranks"][rank]["rng"])
+        if master:
+            print(f"resuming from {ck} (step {state['step']})", file=sys.stderr)
+        start_step, data_pos, generated_tokens, skipped, wandb_id, history = (
+            state["step"], state["data_position"], state["generated_tokens"], state["skipped"], state["wandb_id"], state["history"]
         )
-        if master:  # drop log lines written after the checkpoint: they will be produced again
-            lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
-            kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= start_step]
-            (out / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
+        if master:  # drop log lines written after the checkpoint (they will be produced again) and a line cut by the kill
+            metrics_path, kept = out / "metrics.jsonl", []
+            for ln in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
+                try:
+                    if json.loads(ln)["step"] <= start_step:
+                        kept.append(ln + "\n")
+                except (ValueError, KeyError, TypeError):
+                    pass
+            metrics_path.with_suffix(".tmp").write_text("".join(kept))
+            os.replace(metrics_path.with_suffix(".tmp"), metrics_path)
+    elif master and overwrite:  # every input has loaded: only now is the old run worth giving up
+        for p in out.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
 
     run = None
     if master:
@@ -249,7 +410,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
 
     def run_eval() -> dict:
         # Eval draws from its own fixed seed so that how often we evaluate never changes training randomness.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.seed)
             return evaluate(
                 gen_model, tokenizer, eval_problems, k=cfg.eval.k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
@@ -259,16 +420,19 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
 
     if start_step == 0 and master:
         history["eval_initial"] = run_eval()
+    if distributed:
+        dist.barrier()
 
     # ---------------------------------------------------------------- training loop
     bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=not master, dynamic_ncols=True)
     last_eval = history.get("eval_last", history.get("eval_initial", {})).get("accuracy", float("nan"))
     for step in bar:
         t = {}
-        t0 = time.time()
+        t_step = t0 = time.time()
 
         # 1. Rollout: this rank's share of the step's prompts, G samples each.
-        idx = prompt_order(len(train_problems), step * n_prompts, n_prompts, cfg.seed)[rank::world]
+        idx = prompt_order(len(train_problems), data_pos, n_prompts, cfg.seed)[rank::world]
+        data_pos += n_prompts
         fresh, texts = generate(
             gen_model, tokenizer, [prompts_all[i] for i in idx], G, max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, batch_size=cfg.rollout.gen_batch_size,
@@ -299,100 +463,58 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         batch = fresh if replayed is None else Rollouts.cat([fresh, replayed], tokenizer.pad_token_id)
         t["replay_sample"] = time.time() - t0
 
-        # 5. Update: mini-batches (optimizer steps) × micro-batches (gradient accumulation).
-        t0 = time.time()
-        mask_all = batch.completion_mask()
-        prox_all = None
-        if cfg.optim.minibatches > 1:  # later mini-batches need π at the start of the step: one no-grad pass
-            prox_all = grpo.batched_logprobs(fwd_model, batch.tokens.to(device), batch.attention_mask().to(device),
-                                             cfg.rollout.temperature, cfg.optim.logprob_batch_size).cpu()
-        t["prox_logprobs"] = time.time() - t0
-        t["forward_backward"] = t["optimizer"] = 0.0
-        order = torch.randperm(len(batch)) if cfg.optim.minibatches > 1 else torch.arange(len(batch))
-        step_metrics, row_entropy = [], torch.zeros(len(batch))
-        for mb_rows in order.chunk(cfg.optim.minibatches):
-            t1 = time.time()
-            # Normalisers are totals over the whole mini-batch (all micro-batches, all ranks), so accumulation
-            # gives the full-batch gradient. DDP averages gradients over ranks, hence the `* world` below.
-            counts = torch.tensor([len(mb_rows), float(mask_all[mb_rows].sum()), float((batch.advantage[mb_rows] != 0).any())])
-            if distributed:
-                dist.all_reduce(counts)
-            n_seqs, n_tokens, any_signal = int(counts[0]), int(counts[1]), bool(counts[2] > 0)
-            optimizer.zero_grad(set_to_none=True)
-            mb_metrics = []
-            micro = mb_rows.split(cfg.optim.micro_batch_size)
-            for j, mu_rows in enumerate(micro):
-                mu = batch.select(mu_rows)
-                tokens, attn, mask = mu.tokens.to(device), mu.attention_mask().to(device), mu.completion_mask().to(device)
-                prox = prox_all[mu_rows, : tokens.shape[1]].to(device) if prox_all is not None else None
-                ref = None
-                if ref_model is not None:
-                    with torch.no_grad(), autocast:
-                        ref, _ = grpo.token_logprobs(ref_model, tokens, attn, cfg.rollout.temperature)
-                # DDP all-reduces gradients on the last micro-batch only.
-                sync = fwd_model.no_sync() if distributed and j < len(micro) - 1 else nullcontext()
-                with sync, autocast:
-                    logp, ent = grpo.token_logprobs(fwd_model, tokens, attn, cfg.rollout.temperature, with_entropy=True)
-                    loss, m = grpo.policy_loss(
-                        logp, mu.behav_logp.to(device), mu.advantage.to(device), mask, mu.onpolicy.to(device), cfg.grpo,
-                        n_seqs=n_seqs, n_tokens=n_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
-                        prox_logp=prox, ref_logp=ref, entropy=ent,
-                    )
-                    if any_signal:
-                        (loss * world).backward()
-                row_entropy[mu_rows] = ((ent.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
-                mb_metrics.append(m)
-            t["forward_backward"] += time.time() - t1
-            t1 = time.time()
-            mb = grpo.combine_metrics(mb_metrics)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf")) if any_signal else torch.tensor(0.0)
-            if not any_signal:  # every advantage is zero: skip, so weight decay and Adam momentum do not move the weights
-                skipped["zero_adv"] += 1
-            elif not (np.isfinite(mb["loss"]) and torch.isfinite(grad_norm)):
-                skipped["nonfinite"] += 1  # a NaN/inf loss or gradient never reaches the weights
-            else:
-                optimizer.step()
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step_metrics.append({**mb, "grad_norm": float(grad_norm)})
-            t["optimizer"] += time.time() - t1
-        batch.entropy = row_entropy
+        # 5. Update: mini-batches (optimizer steps) × micro-batches (gradient accumulation); see update_policy.
+        step_metrics, batch.entropy, reasons, times = update_policy(
+            cfg, fwd_model, optimizer, scheduler, batch, device=device, autocast=autocast, ref_model=ref_model
+        )
+        for reason in filter(None, reasons):
+            skipped[reason] += 1
+        t.update(times)
 
         # 6. Replay push: the fresh rows (with rewards, advantages, behaviour log-probs and entropy) go in.
         t0 = time.time()
         replay.push(batch.select(~batch.replayed), step)
         t["replay_push"] = time.time() - t0
 
-        # 7. Log: one line per step; loss metrics combined over micro-batches, averaged over mini-batches.
+        # 7. Log: one line per step; loss metrics combined over micro-batches (and ranks), averaged over mini-batches.
         is_fresh = ~batch.replayed
-        row = {
-            "step": step + 1,
-            "generated_tokens": generated_tokens,
+        batch_stats = {
             "reward_mean": float(batch.reward[is_fresh].mean()),
             "correct_mean": float(batch.correct[is_fresh].float().mean()),
             "response_len": float(batch.completion_len[is_fresh].float().mean()),
             "truncated_frac": float(batch.truncated[is_fresh].float().mean()),
-            **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
             **adv_metrics,
             **reward_metrics,
             **replay.metrics(),
             "replay/rows": int(batch.replayed.sum()),
-            "replay/token_share": float(mask_all[batch.replayed].sum() / mask_all.sum().clamp(min=1)),
+            "replay/token_share": float(batch.completion_len[batch.replayed].sum() / batch.completion_len.sum().clamp(min=1)),
+        }
+        if distributed:
+            batch_stats = over_ranks(batch_stats, world)
+        t["other"] = time.time() - t_step - sum(t.values())  # bookkeeping between the phases
+        row = {
+            "step": step + 1,
+            "generated_tokens": generated_tokens,
+            **batch_stats,
+            **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
             "skipped/zero_adv": skipped["zero_adv"],
             "skipped/nonfinite": skipped["nonfinite"],
             "lr": scheduler.get_last_lr()[0],
             **{f"time/{k}": v for k, v in t.items()},
+            "time/step": time.time() - t_step,
         }
 
         # 8. Eval every N steps and at the end.
-        if master and ((cfg.eval.every and (step + 1) % cfg.eval.every == 0) or step + 1 == cfg.max_steps):
-            t0 = time.time()
-            ev = run_eval()
-            history["eval_last"] = ev
-            last_eval = ev["accuracy"]
-            row.update({f"eval/{k}": v for k, v in ev.items()})
-            row["time/eval"] = time.time() - t0
-        row["time/step"] = sum(v for k, v in row.items() if k.startswith("time/") and k != "time/step")
+        if (cfg.eval.every and (step + 1) % cfg.eval.every == 0) or step + 1 == cfg.max_steps:
+            if master:
+                t0 = time.time()
+                ev = run_eval()
+                history["eval_last"] = ev
+                last_eval = ev["accuracy"]
+                row.update({f"eval/{k}": v for k, v in ev.items()})
+                row["time/eval"] = time.time() - t0
+            if distributed:
+                dist.barrier()
         row["wall_seconds"] = time.time() - t_start + history.get("wall_before", 0.0)
         if master:
             metrics_file.write(json.dumps(row) + "\n")
@@ -401,12 +523,16 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 run.log(row, step=step + 1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", eval=f"{last_eval:.3f}")
 
-        # 9. Checkpoint: everything needed to continue this exact run.
-        if master and cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.max_steps:
-            history["wall_before"] = row["wall_seconds"]
-            state = {"step": step + 1, "generated_tokens": generated_tokens, "skipped": skipped, "wandb_id": wandb_id,
-                     "history": history, "config": to_dict(cfg)}
-            save_checkpoint(out, step + 1, model, optimizer, scheduler, replay, state, cfg.checkpoint.keep_last)
+        # 9. Checkpoint: everything needed to continue this exact run (under torchrun, every rank's buffer and RNG too).
+        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.max_steps:
+            ranks = [None] * world if master and distributed else None
+            if distributed:
+                dist.gather_object({"replay": replay.state_dict(), "rng": rng_state()}, ranks, dst=0)
+            if master:
+                history["wall_before"] = row["wall_seconds"]
+                state = {"step": step + 1, "data_position": data_pos, "generated_tokens": generated_tokens, "skipped": skipped,
+                         "wandb_id": wandb_id, "history": history, "config": to_dict(cfg), "ranks": ranks}
+                save_checkpoint(out, step + 1, model, tokenizer, optimizer, scheduler, replay, state, cfg.checkpoint.keep_last)
 
     # ---------------------------------------------------------------- finish
     summary = {}
@@ -440,6 +566,15 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
     return x
+
+
+def over_ranks(stats: dict, world: int) -> dict:
+    """Batch statistics of every rank's shard combined: counts (replay/rows, adv/groups) add up, the rest are means
+    over ranks (exact for the fresh-row means: every rank holds as many fresh rows). replay/* describe the mean buffer."""
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, stats)
+    keys = [k for k in stats if all(k in s for s in per_rank)]
+    return {k: (sum if k in ("replay/rows", "adv/groups") else np.mean)([s[k] for s in per_rank]) for k in keys}
 
 
 def rlep_solutions(cfg: Config, tokenizer, problems, prompts_all) -> Rollouts:

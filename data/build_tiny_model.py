@@ -27,6 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from data.tiny_task import make_split
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+# A few multi-character tokens for the strings every prompt and answer repeats: shorter sequences make the
+# warm start and RL several times cheaper. They are ordinary (non-special) tokens: decoding keeps them.
+WORDS = ["user", "assistant", "\\boxed{"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -34,7 +37,7 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character (plus newline); anything else maps to <|unk|>."""
+    """One token per printable ASCII character (plus newline) and per WORDS entry; anything else maps to <|unk|>."""
     chars = ["\n"] + [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
@@ -47,6 +50,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<|unk|>",
         additional_special_tokens=["<|im_start|>"],
     )
+    hf.add_tokens(WORDS)
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -88,13 +92,17 @@ def sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "tiny_model"))
-    ap.add_argument("--sft-steps", type=int, default=250)
+    ap.add_argument("--sft-steps", type=int, default=1000)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--max-int", type=int, default=12, help="tiny task difficulty (keep equal to data.tiny_max_int)")
+    ap.add_argument("--max-den", type=int, default=5, help="tiny task difficulty (keep equal to data.tiny_max_den)")
+    ap.add_argument("--n-problems", type=int, default=4000, help="distinct supervised problems")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-n", type=int, default=200, help="held-out problems for the sampled-accuracy check")
     a = ap.parse_args()
 
+    torch.set_num_threads(1)  # a 1 M-parameter model gains nothing from more threads on a CPU
     torch.manual_seed(a.seed)
     t0 = time.time()
     tok = build_tokenizer()
@@ -102,14 +110,18 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     # Same distribution as the RL training split (held-out problems excluded), from its own seed:
     # the warm start teaches the format and some arithmetic, and RL must do the rest.
-    data = make_split("train", a.sft_steps * a.batch_size // 4, seed=10_000 + a.seed)
+    difficulty = dict(max_int=a.max_int, max_den=a.max_den)
+    data = make_split("train", a.n_problems, seed=10_000 + a.seed, **difficulty)
+    n_batches = -(-len(data) // a.batch_size)
     g = torch.Generator().manual_seed(a.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / a.sft_steps))
     model.train()
     for step in range(a.sft_steps):
-        idx = torch.randint(len(data), (a.batch_size,), generator=g).tolist()
-        ids, mask, lab = sft_batch(tok, [data[i] for i in idx])
+        if step % n_batches == 0:  # a new epoch: reshuffle which problems share a batch; tokenize once per epoch
+            order = torch.randperm(len(data), generator=g).tolist()
+            batches = [sft_batch(tok, [data[i] for i in order[j : j + a.batch_size]]) for j in range(0, len(data), a.batch_size)]
+        ids, mask, lab = batches[step % n_batches]
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -130,16 +142,20 @@ def main() -> None:
 
     tok2 = AutoTokenizer.from_pretrained(out)
     model2 = AutoModelForCausalLM.from_pretrained(out)
-    test = make_split("test", a.eval_n)
+    test = make_split("test", a.eval_n, **difficulty)
     prompts = [format_prompt(tok2, p["problem"], "{problem}") for p in test]
     torch.manual_seed(a.seed)
     _, texts = generate(model2, tok2, prompts, 1, max_new_tokens=48, temperature=1.0, top_p=1.0, batch_size=256)
     _, correct, _ = score_batch(texts, [p["answer"] for p in test], RewardConfig())
+    _, greedy_texts = generate(model2, tok2, prompts, 1, max_new_tokens=48, temperature=0, top_p=1.0, batch_size=256)
+    _, greedy_correct, _ = score_batch(greedy_texts, [p["answer"] for p in test], RewardConfig())
     info = {
         "params": n_params,
         "sft_steps": a.sft_steps,
         "seed": a.seed,
         "heldout_sampled_accuracy_t1": sum(correct) / len(correct),
+        "heldout_greedy_accuracy": sum(greedy_correct) / len(greedy_correct),
+        **difficulty,
         "eval_n": a.eval_n,
         "build_seconds": round(time.time() - t0, 1),
     }

@@ -5,6 +5,7 @@
     load_problems("my.jsonl", problem_key="q", answer_key="a")   # any JSONL or parquet file, fields named explicitly
     load_problems("hf:openai/gsm8k:main:test")            # hf:NAME[:CONFIG][:SPLIT] via `datasets` (optional)
     load_problems("tiny")                                 # the embedded task's held-out split (data/tiny_task.py)
+    load_problems("tiny_train")                           # ... and its default training split (RLEP phase I)
 
 Schemas recognised without a field mapping: `problem`/`question`/`prompt` (a string, or a list of chat messages
 whose last user turn is the problem, as in DAPO-Math-17k); the answer is `reward_model.ground_truth`, else
@@ -41,9 +42,10 @@ _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer on its own line after 
 def load_problems(spec: str, *, data_dir: str | None = None, problem_key: str | None = None,
                   answer_key: str | None = None, limit: int | None = None) -> list[Problem]:
     """Problems for a benchmark name, a .jsonl/.parquet path, `hf:NAME[:CONFIG][:SPLIT]`, or "tiny"."""
-    if spec == "tiny":
+    if spec in ("tiny", "tiny_train"):
         from data.tiny_task import load_tiny  # lazy: only the embedded task needs it
-        problems = load_tiny("test", limit or 500)  # the fixed held-out split
+        # "tiny" is the fixed held-out split; "tiny_train" the default training split (as train.py builds it)
+        problems = load_tiny("test", limit or 500) if spec == "tiny" else load_tiny("train", limit or 2000)
     else:
         source, rows, where = _read_rows(spec, data_dir, limit)
         problems = [_to_problem(row, i, source, where, problem_key, answer_key) for i, row in enumerate(rows)]

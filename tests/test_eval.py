@@ -205,3 +205,22 @@ def test_cli_model_end_to_end(tiny_random_model, tmp_path):
         assert r["n"] == 2 and len(results["problems"][name][0]["correct"]) == 2
         assert 0 < r["response_len"] <= 6 and 0 <= r["truncation_rate"] <= 1
     assert set(results["macro"]) == set(ev.METRICS)
+
+
+def test_save_correct_writes_only_verified_completions(tiny_random_model, tmp_path, monkeypatch):
+    """RLEP phase I: `--save-correct` keeps exactly the verified-correct samples, keyed by problem text."""
+    custom = tmp_path / "custom.jsonl"
+    custom.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "2*3", "answer": "6"}) + "\n")
+    script = {"1+1": ["\\boxed{2}", "\\boxed{3}"], "2*3": ["\\boxed{5}", "so \\boxed{6}"]}
+
+    def fake_generate(model, tokenizer, prompts, k, **kw):
+        texts = [t for p in prompts for q in script if q in p for t in script[q]]  # prompts carry the chat template
+        return SimpleNamespace(completion_len=torch.tensor([len(t) for t in texts]), truncated=torch.zeros(len(texts), dtype=torch.bool)), texts
+
+    monkeypatch.setattr(ev, "generate", fake_generate)
+    saved = tmp_path / "phase1.jsonl"
+    ev.main(["--model", str(tiny_random_model), "--benchmarks", str(custom), "--k", "2", "--template", "{problem}",
+             "--out-dir", str(tmp_path / "out"), "--save-correct", str(saved)])
+    rows = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert rows == [{"problem": "1+1", "completion": "\\boxed{2}"}, {"problem": "2*3", "completion": "so \\boxed{6}"}]
+    assert "completions" not in json.loads((tmp_path / "out" / "results.json").read_text())["problems"]["custom"][0]
