@@ -61,9 +61,9 @@ class DataConfig:
     """Instruction wrapped around each problem before the chat template; must contain {problem}."""
     tiny_train_size: int = 2000
     """Number of distinct training problems generated for the tiny task (prompts recur across epochs)."""
-    tiny_max_int: int = 50
+    tiny_max_int: int = 20
     """Tiny task difficulty: largest operand."""
-    tiny_max_den: int = 9
+    tiny_max_den: int = 6
     """Tiny task difficulty: largest fraction denominator."""
     tiny_kinds: str = "add:3,mul:2,frac:2,lin:2"
     """Tiny task mix as kind:weight pairs (add, mul, frac, lin)."""

@@ -9,10 +9,20 @@ Usage:
 Flags: --config FILE, --resume (continue from out_dir's latest checkpoint), --overwrite (start over in a
 non-empty out_dir), --debug (show tracebacks). Everything else is a dotted config override (config.py).
 
-One step, in order: rollout (HF generate, G samples per prompt, behaviour log-probs kept) → reward
+One step, in order: rollout (KV-cached sampling, G samples per prompt, behaviour log-probs kept) → reward
 (rewards.py) → advantages (grpo.py; RLEP first appends replayed successes to each group) → replay sample
 (replay.py) → update on fresh ∪ replayed in mini-batches × micro-batches → replay push → log → eval →
 checkpoint. Bad input prints one line and exits 2.
+
+Each metrics.jsonl line times the step's phases (seconds): time/generate (behaviour log-probs are recorded while
+sampling, no extra pass), reward, advantage, replay_sample, prox_logprobs (a no-grad pass, only when
+optim.minibatches > 1), ref_logprobs (only when grpo.beta > 0), forward_backward, optimizer, replay_push, other
+(bookkeeping between them); time/step is the step's wall clock without eval, and time/eval is logged apart.
+
+Under torchrun each rank generates for its share of the step's prompts (prompts[rank::world]) and keeps its own
+replay buffer (capacity, priorities and staleness bounds are per rank; it stores and replays only that rank's
+rollouts); gradients are all-reduced by DDP so every rank applies the global batch's update. Rank 0 alone logs,
+evaluates (the others wait at a barrier) and writes checkpoints, which hold every rank's buffer and RNG state.
 """
 
 from __future__ import annotations
@@ -173,7 +183,7 @@ def checked(what: str, load, *args, **kwargs):
 
 
 def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Rollouts, *, device: torch.device,
-                  autocast=nullcontext(), ref_model=None) -> tuple[list[dict], torch.Tensor, list[str | None], dict]:
+                  autocast=None, ref_model=None) -> tuple[list[dict], torch.Tensor, list[str | None], dict]:
     """Step 5 of the loop: `cfg.optim.minibatches` optimizer steps on `batch`, each accumulating micro-batches.
 
     Returns one metrics dict per optimizer step (loss metrics summed over micro-batches and ranks), each row's mean
@@ -188,12 +198,13 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Rollouts, *,
     world = dist.get_world_size() if distributed else 1
     plain = policy.module if distributed else policy  # no-grad passes need no gradient sync
     share, T = not cfg.model.gradient_checkpointing, cfg.rollout.temperature
+    autocast = autocast or nullcontext()
     times = {"prox_logprobs": 0.0, "ref_logprobs": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
     mask_all, comp_len = batch.completion_mask(), batch.completion_len
 
-    def logprobs(model, mu: Rollouts, **kw):
-        args = (mu.tokens.to(device), mu.prompt_len.to(device), mu.seq_len.to(device), T)
-        return grpo.completion_logprobs(model, *args, share_prompt=kw.pop("share_prompt", True), **kw)
+    def logprobs(model, mu: Rollouts, with_entropy: bool = False, share_prompt: bool = True):
+        return grpo.completion_logprobs(model, mu.tokens.to(device), mu.prompt_len.to(device), mu.seq_len.to(device), T,
+                                        with_entropy=with_entropy, share_prompt=share_prompt)
 
     prox_all = None
     if cfg.optim.minibatches > 1:  # later mini-batches need π at the start of the step: one no-grad pass over all rows
@@ -320,15 +331,15 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        model.train()  # HF checkpoints only in training mode; from_pretrained returns eval mode (dropout of LLMs is 0)
     ref_model = None
     if cfg.grpo.beta > 0:  # the frozen reference costs a full model copy: only load it when the KL term is on
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).to(device).eval().requires_grad_(False)
     gen_model = model  # generation always runs on the plain module
     fwd_model = torch.compile(model) if cfg.model.compile else model
     if distributed:
-        fwd_model = torch.nn.parallel.DistributedDataParallel(
-            fwd_model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )  # no buffer broadcast: forwards then need no collective, and ranks may run different numbers of micro-batches
+        fwd_model = torch.nn.parallel.DistributedDataParallel(fwd_model, device_ids=[device.index] if device.type == "cuda" else None)
+        fwd_model.broadcast_buffers = False  # buffers never change: forwards need no collective, ranks may run different counts
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.model.autocast else nullcontext()
 
     prompts_all = [format_prompt(tokenizer, p.problem, cfg.data.template) for p in train_problems]

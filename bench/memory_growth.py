@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def main() -> None:
             time.sleep(0.2)
     if proc.returncode != 0:
         sys.exit(f"train.py failed (exit {proc.returncode}); see {run_dir / 'stderr.txt'}")
+    shutil.rmtree(run_dir)  # checkpoints and final weights of a throwaway run
 
     # RSS jitters by a few % as the allocator takes and returns pages, so compare medians over W-step windows:
     # the first W steps after warm-up against the last W steps of training (the final eval and save excluded).

@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import string
 import time
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 from data.tiny_task import make_split
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
-# A few multi-character tokens for the strings every prompt and answer repeats: shorter sequences make the
-# warm start and RL several times cheaper. They are ordinary (non-special) tokens: decoding keeps them.
-WORDS = ["user", "assistant", "\\boxed{"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Words every prompt and answer repeats get one token each (BPE merges), which makes sequences shorter.
+WORDS = ["user", "assistant", "boxed"]
+# Qwen2's pre-tokenizer: digits split one by one, letters grouped, punctuation runs grouped.
+QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -37,20 +37,27 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character (plus newline) and per WORDS entry; anything else maps to <|unk|>."""
-    chars = ["\n"] + [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
-    tok.decoder = decoders.Fuse()  # join characters back without spaces
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|unk|>",
-        additional_special_tokens=["<|im_start|>"],
+    """A byte-level BPE with Qwen2's pre-tokenizer: the 256 byte symbols plus merges for WORDS only.
+
+    It has exactly the structure transformers' Qwen2Tokenizer rebuilds from vocab and merges when
+    AutoTokenizer loads a folder whose config says `qwen2`, so the reloaded tokenizer splits text exactly
+    as this one does (a character-level WordLevel tokenizer would silently lose spaces and newlines there).
+    """
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(alphabet))}
+    merges = []
+    for word in WORDS:
+        for i in range(2, len(word) + 1):
+            merges.append((word[: i - 1], word[i - 1]))
+            vocab.setdefault(word[:i], len(vocab))
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
-    hf.add_tokens(WORDS)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -89,15 +96,28 @@ def sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.
     return ids, (ids != tok.pad_token_id).long(), lab
 
 
+def heldout_accuracy(model, tok, test: list[dict], temperature: float) -> float:
+    """Fraction of held-out problems solved by one sample at `temperature` (0 = greedy), verified by rewards.py."""
+    from rewards import RewardConfig, score_batch
+    from rollout import format_prompt, generate
+
+    prompts = [format_prompt(tok, p["problem"], "{problem}") for p in test]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        _, texts = generate(model, tok, prompts, 1, max_new_tokens=48, temperature=temperature, top_p=1.0, batch_size=256)
+    _, correct, _ = score_batch(texts, [p["answer"] for p in test], RewardConfig())
+    return sum(correct) / len(correct)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "tiny_model"))
-    ap.add_argument("--sft-steps", type=int, default=1000)
+    ap.add_argument("--sft-steps", type=int, default=3000)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--max-int", type=int, default=12, help="tiny task difficulty (keep equal to data.tiny_max_int)")
-    ap.add_argument("--max-den", type=int, default=5, help="tiny task difficulty (keep equal to data.tiny_max_den)")
-    ap.add_argument("--n-problems", type=int, default=4000, help="distinct supervised problems")
+    ap.add_argument("--max-int", type=int, default=20, help="tiny task difficulty (keep equal to data.tiny_max_int)")
+    ap.add_argument("--max-den", type=int, default=6, help="tiny task difficulty (keep equal to data.tiny_max_den)")
+    ap.add_argument("--n-problems", type=int, default=8000, help="distinct supervised problems")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-n", type=int, default=200, help="held-out problems for the sampled-accuracy check")
     a = ap.parse_args()
@@ -112,6 +132,7 @@ def main() -> None:
     # the warm start teaches the format and some arithmetic, and RL must do the rest.
     difficulty = dict(max_int=a.max_int, max_den=a.max_den)
     data = make_split("train", a.n_problems, seed=10_000 + a.seed, **difficulty)
+    test = make_split("test", a.eval_n, **difficulty)
     n_batches = -(-len(data) // a.batch_size)
     g = torch.Generator().manual_seed(a.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
@@ -130,6 +151,9 @@ def main() -> None:
         sched.step()
         if step % 50 == 0 or step == a.sft_steps - 1:
             print(f"sft step {step:4d}  loss {loss.item():.3f}  {time.time() - t0:.0f}s", flush=True)
+        if (step + 1) % 500 == 0:
+            print(f"  held-out sampled accuracy {heldout_accuracy(model, tok, test, 1.0):.3f}", flush=True)
+            model.train()
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,24 +161,18 @@ def main() -> None:
     tok.save_pretrained(out)
 
     # Check the round trip through the public loading path, and measure the starting accuracy.
-    from rewards import RewardConfig, score_batch
-    from rollout import format_prompt, generate
-
     tok2 = AutoTokenizer.from_pretrained(out)
     model2 = AutoModelForCausalLM.from_pretrained(out)
-    test = make_split("test", a.eval_n, **difficulty)
-    prompts = [format_prompt(tok2, p["problem"], "{problem}") for p in test]
-    torch.manual_seed(a.seed)
-    _, texts = generate(model2, tok2, prompts, 1, max_new_tokens=48, temperature=1.0, top_p=1.0, batch_size=256)
-    _, correct, _ = score_batch(texts, [p["answer"] for p in test], RewardConfig())
-    _, greedy_texts = generate(model2, tok2, prompts, 1, max_new_tokens=48, temperature=0, top_p=1.0, batch_size=256)
-    _, greedy_correct, _ = score_batch(greedy_texts, [p["answer"] for p in test], RewardConfig())
+    probe = tok.apply_chat_template([{"role": "user", "content": test[0]["problem"]}], tokenize=False, add_generation_prompt=True)
+    probe += test[0]["solution"] + " \n"
+    if tok(probe)["input_ids"] != tok2(probe)["input_ids"]:
+        raise SystemExit(f"the reloaded tokenizer ({type(tok2).__name__}) splits text differently from the one trained on")
     info = {
         "params": n_params,
         "sft_steps": a.sft_steps,
         "seed": a.seed,
-        "heldout_sampled_accuracy_t1": sum(correct) / len(correct),
-        "heldout_greedy_accuracy": sum(greedy_correct) / len(greedy_correct),
+        "heldout_sampled_accuracy_t1": heldout_accuracy(model2, tok2, test, 1.0),
+        "heldout_greedy_accuracy": heldout_accuracy(model2, tok2, test, 0.0),
         **difficulty,
         "eval_n": a.eval_n,
         "build_seconds": round(time.time() - t0, 1),

@@ -85,7 +85,7 @@ def parse_kinds(kinds: str) -> tuple[list[str], list[float]]:
     return names, weights
 
 
-def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 50, max_den: int = 9, kinds: str = DEFAULT_KINDS) -> list[dict]:
+def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 20, max_den: int = 6, kinds: str = DEFAULT_KINDS) -> list[dict]:
     """`n` distinct problems. `split="test"` uses the fixed TEST_SEED; `"train"` uses `seed` and skips test problems."""
     names, weights = parse_kinds(kinds)
     rng = random.Random(TEST_SEED if split == "test" else 10_000 + seed)

@@ -1,0 +1,181 @@
+"""The same GRPO work through train.py (replay.strategy=none) and through TRL's GRPOTrainer, alternating runs.
+
+Usage:
+  pip install -r bench/requirements.txt                        # trl, datasets, accelerate: bench-only
+  python bench/trl_compare.py                                  # configs/tiny.yaml, 30 steps, 2 rounds (ours, TRL, TRL, ours)
+  python bench/trl_compare.py --steps 10 --rounds 1 --model.path=/tmp/model --optim.micro_batch_size=64
+
+Both sides read one resolved config (the file plus any --key=value overrides, as train.py does), so they share the
+model, the training problems, prompts × group size, max_new_tokens, temperature/top_p, the learning rate (constant,
+no warm-up), AdamW betas and weight decay, gradient clipping, the loss (dapo aggregation, clip 0.2/0.28, beta 0,
+group-std advantages, one optimizer step per batch, micro-batches of optim.micro_batch_size rows), the seed, one
+torch thread on CPU and no vLLM. TRL's reward function is rewards.score_batch, so both get the same reward.
+
+Printed per side: median step time (the whole step: generation, reward, advantages, forward/backward, optimizer;
+not eval), generated completion tokens per second of step time, peak resident memory of the process, and eval
+accuracy before and after (eval.evaluate on the final weights with the same settings and seed), and the ratio.
+Runs alternate (ABBA for 2 rounds) so that load from other processes on a shared machine hits both sides alike.
+Round r uses seed + r on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1",
+       "PYTHONPATH": str(REPO)}
+
+
+def run(cmd: list[str], log: Path) -> int:
+    """Run `cmd`; returns the peak resident set size of the process in MB (os.wait4 reports it per child)."""
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(p.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"failed: {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+    return usage.ru_maxrss // 1024
+
+
+def ours(config: str, overrides: list[str], steps: int, seed: int, out: Path) -> dict:
+    cmd = [sys.executable, "train.py", "--config", config, *overrides, f"--out_dir={out}", f"--max_steps={steps}", f"--seed={seed}",
+           "--replay.strategy=none", "--eval.every=0", "--checkpoint.every=0", "--wandb.mode=disabled", "--overwrite"]
+    rss = run(cmd, out.with_suffix(".log"))
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    step_times = [r["time/step"] for r in rows]
+    return {"step_times": step_times, "tokens": rows[-1]["generated_tokens"], "rss_mb": rss,
+            "acc_initial": summary["eval_accuracy_initial"], "acc_final": summary["eval_accuracy_final"],
+            "phases": {k[5:]: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("time/")}}
+
+
+def trl(config: str, overrides: list[str], steps: int, seed: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, __file__, "--trl-worker", str(out / "result.json"), "--config", config, *overrides, f"--seed={seed}",
+           f"--max_steps={steps}", f"--out_dir={out}"]
+    rss = run(cmd, out.with_suffix(".log"))
+    return {**json.loads((out / "result.json").read_text()), "rss_mb": rss}
+
+
+def trl_worker(result_path: str, config: str, overrides: list[str]) -> None:
+    """One TRL GRPOTrainer run from our resolved config; writes step times, token count and final eval accuracy."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from config import load_config, validate
+    from eval import evaluate
+    from rewards import score_batch
+    from train import load_train_eval
+
+    cfg = load_config(config, overrides)
+    validate(cfg)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    train_problems, eval_problems = load_train_eval(cfg)
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    template = cfg.data.template
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": template.format(problem=p.problem)}], "answer": p.answer}
+                            for p in train_problems])
+    tokens = []
+
+    def reward(completions, answer, completion_ids, **_):
+        tokens.append(sum(len(c) for c in completion_ids))
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return score_batch(texts, list(answer), cfg.reward)[0]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.time()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.time() - self.t0)
+
+    B, mb = cfg.rollout.batch_size, min(cfg.optim.micro_batch_size, cfg.rollout.batch_size)
+    if B % mb:
+        sys.exit(f"TRL needs rollout.batch_size ({B}) to be a multiple of optim.micro_batch_size ({mb})")
+    o = cfg.optim
+    args = GRPOConfig(
+        output_dir=cfg.out_dir, seed=cfg.seed, max_steps=cfg.max_steps, use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", logging_steps=1, disable_tqdm=True,
+        # one generation of B completions per optimizer step, trained in B / mb micro-batches of mb rows (as ours)
+        per_device_train_batch_size=mb, gradient_accumulation_steps=B // mb, steps_per_generation=B // mb,
+        num_generations=cfg.rollout.group_size, max_completion_length=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=0,
+        learning_rate=o.lr, lr_scheduler_type="constant", warmup_steps=o.warmup_steps, adam_beta1=o.beta1, adam_beta2=o.beta2,
+        weight_decay=o.weight_decay, max_grad_norm=o.grad_clip, num_iterations=1,
+        loss_type=cfg.grpo.loss_agg, beta=cfg.grpo.beta, epsilon=cfg.grpo.eps_low, epsilon_high=cfg.grpo.eps_high,
+        scale_rewards=cfg.grpo.adv_scale,
+    )
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=reward, args=args, train_dataset=ds, callbacks=[timer])
+    trainer.train()
+    model = trainer.model.eval()
+    with torch.random.fork_rng(devices=[]):  # as train.py's run_eval
+        torch.manual_seed(cfg.seed)
+        ev = evaluate(model, tok, eval_problems, k=cfg.eval.k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+                      max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, batch_size=cfg.rollout.gen_batch_size,
+                      template=cfg.data.template, reward_cfg=cfg.reward)
+    Path(result_path).write_text(json.dumps({"step_times": timer.times, "tokens": sum(tokens), "acc_final": ev["accuracy"]}))
+
+
+def summarize(runs: list[dict]) -> dict:
+    times = [t for r in runs for t in r["step_times"]]
+    return {"median_step": statistics.median(times), "tokens_per_s": sum(r["tokens"] for r in runs) / sum(times),
+            "rss_mb": max(r["rss_mb"] for r in runs), "acc_final": statistics.mean(r["acc_final"] for r in runs)}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--trl-worker"]:
+        rest, config = sys.argv[3:], "configs/tiny.yaml"
+        if "--config" in rest:
+            i = rest.index("--config")
+            config, rest = rest[i + 1], rest[:i] + rest[i + 2 :]
+        return trl_worker(sys.argv[2], config, rest)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=2, help="each round runs both sides; the order alternates (ABBA...)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="", help="keep the runs here (default: a temporary folder)")
+    a, overrides = ap.parse_known_args()
+    overrides += [f"--threads={os.environ.get('BENCH_THREADS', '1')}"]
+    root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="trl_compare_"))
+    root.mkdir(parents=True, exist_ok=True)
+    results = {"ours": [], "trl": []}
+    for r in range(a.rounds):
+        for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
+            fn = ours if side == "ours" else trl
+            t0 = time.time()
+            res = fn(a.config, overrides, a.steps, a.seed + r, root / f"{side}_{r}")
+            results[side].append(res)
+            print(f"round {r} {side:4s}: median step {statistics.median(res['step_times']):.2f}s, eval accuracy {res['acc_final']:.3f}"
+                  f", {time.time() - t0:.0f}s wall", flush=True)
+    s_ours, s_trl = summarize(results["ours"]), summarize(results["trl"])
+    acc0 = statistics.mean(r["acc_initial"] for r in results["ours"])
+    print(f"\n{a.steps} steps x {a.rounds} rounds, config {a.config} {' '.join(overrides)}")
+    print(f"{'':28s}{'train.py':>12s}{'TRL':>12s}{'ours/TRL':>10s}")
+    print(f"{'median step time (s)':28s}{s_ours['median_step']:12.2f}{s_trl['median_step']:12.2f}{s_ours['median_step'] / s_trl['median_step']:10.2f}")
+    print(f"{'generated tokens / s':28s}{s_ours['tokens_per_s']:12.0f}{s_trl['tokens_per_s']:12.0f}{s_ours['tokens_per_s'] / s_trl['tokens_per_s']:10.2f}")
+    print(f"{'peak resident memory (MB)':28s}{s_ours['rss_mb']:12d}{s_trl['rss_mb']:12d}{s_ours['rss_mb'] / s_trl['rss_mb']:10.2f}")
+    print(f"{'eval accuracy after':28s}{s_ours['acc_final']:12.3f}{s_trl['acc_final']:12.3f}   (before: {acc0:.3f})")
+    phases = {k: statistics.median(r["phases"][k] for r in results["ours"]) for k in results["ours"][0]["phases"]}
+    print("train.py median seconds per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items() if v >= 0.0005))
+    print(f"runs kept in {root}")
+
+
+if __name__ == "__main__":
+    main()
