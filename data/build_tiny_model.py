@@ -112,7 +112,7 @@ def heldout_accuracy(model, tok, test: list[dict], temperature: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "tiny_model"))
-    ap.add_argument("--sft-steps", type=int, default=3000)
+    ap.add_argument("--sft-steps", type=int, default=1100)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--max-int", type=int, default=20, help="tiny task difficulty (keep equal to data.tiny_max_int)")
