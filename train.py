@@ -192,7 +192,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Rollouts, *,
     are totals over all ranks, so the gradient DDP averages (hence `loss * world`) is that of the global batch.
     Waste avoided, none of it changing the gradient: rows with advantage 0 are not run at all when beta = 0
     (optim.skip_zero_adv), micro-batches hold rows of similar length, and each prompt is run once for its rows
-    (grpo.completion_logprobs; not under gradient checkpointing, which drops the KV cache that needs).
+    (grpo.completion_logprobs; not under gradient checkpointing, which drops the KV cache this relies on).
     """
     distributed = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
     world = dist.get_world_size() if distributed else 1
@@ -279,7 +279,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Rollouts, *,
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     # ---------------------------------------------------------------- setup
-    t_start = time.time()
+    t_start, wall_offset = time.time(), 0.0
     distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:  # torchrun: one process per device; rank 0 alone evaluates, the others wait at a barrier meanwhile
         if torch.cuda.is_available():
@@ -382,6 +382,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         start_step, data_pos, generated_tokens, skipped, wandb_id, history = (
             state["step"], state["data_position"], state["generated_tokens"], state["skipped"], state["wandb_id"], state["history"]
         )
+        wall_offset = history.get("wall_before", 0.0)
         if master:  # drop log lines written after the checkpoint (they will be produced again) and a line cut by the kill
             metrics_path, kept = out / "metrics.jsonl", []
             for ln in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
@@ -526,7 +527,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 row["time/eval"] = time.time() - t0
             if distributed:
                 dist.barrier()
-        row["wall_seconds"] = time.time() - t_start + history.get("wall_before", 0.0)
+        row["wall_seconds"] = time.time() - t_start + wall_offset  # a resumed run continues its clock
         if master:
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
