@@ -1,14 +1,12 @@
-"""Rollouts: sample G completions per prompt with a KV-cached decoding loop, keeping behaviour log-probs.
+"""Rollouts: sample G completions per prompt with Hugging Face `generate`, keeping behaviour log-probs.
 
 Shared by train.py and eval.py. A batch of rollouts lives in one small typed container, `Rollouts`:
 every row is one sequence laid out as `prompt tokens | completion tokens | right padding`, so the
 training forward needs no position-id tricks and the replay buffer can store a row as it is.
 
 Behaviour log-probs are the log-probabilities of the *sampling distribution* (after temperature and
-top-p), recorded as each token is drawn: no extra forward pass. They are what the off-policy correction
-in grpo.py divides by when a rollout is replayed later. The loop does what `model.generate` would with
-do_sample, temperature and top_p (and nothing from the model's generation_config, so the distribution is
-exactly the one the loss assumes), but runs each prompt once for its G samples and drops finished rows.
+top-p), recorded during generation by a logits processor placed after HF's own warpers: no extra forward
+pass. They are what the off-policy correction in grpo.py divides by when a rollout is replayed later.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-from transformers import DynamicCache
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 
 @dataclass
@@ -87,6 +85,36 @@ def format_prompt(tokenizer, problem: str, template: str) -> str:
     return text
 
 
+class _SamplingDistribution(LogitsProcessor):
+    """Turns logits into the sampling distribution (÷ temperature, cut to the top-p nucleus) and records the
+    log-probability of each sampled token under it: the behaviour log-prob, with no extra forward pass.
+
+    HF `generate` runs with its own warpers off (temperature 1, top_p 1, top_k 0), so this processor alone
+    defines what is sampled. The token drawn from step t's scores only appears in `input_ids` at step t+1, so
+    one (B, V) log-softmax is kept and gathered from one step late (O(B·V) memory).
+    """
+
+    def __init__(self, temperature: float, top_p: float):
+        self.temperature, self.top_p = temperature, top_p
+        self.prev: torch.Tensor | None = None  # (B, V) log-softmax of the previous step
+        self.logps: list[torch.Tensor] = []  # T × (B,)
+
+    def __call__(self, input_ids, scores):
+        if self.prev is not None:
+            self.logps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
+        z = scores.float() / (self.temperature or 1.0)  # (B, V); greedy (T = 0) records the T = 1 log-probs
+        if self.top_p < 1:  # drop a token once the more likely ones already hold top_p of the mass
+            p, order = z.softmax(-1).sort(-1, descending=True)
+            drop = (p.cumsum(-1) - p) >= self.top_p
+            z = z.masked_fill(drop.scatter(1, order, drop), -torch.inf)
+        self.prev = torch.log_softmax(z, dim=-1)
+        return z
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:  # -> (B, T)
+        self.logps.append(self.prev.gather(1, last_tokens[:, None]).squeeze(1))
+        return torch.stack(self.logps, dim=1)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -101,90 +129,43 @@ def generate(
     prompt_idx: list[int] | None = None,
     step: int = 0,
 ) -> tuple[Rollouts, list[str]]:
-    """Sample `group_size` completions for each prompt. Returns rollouts (B = len(prompts) × G) and the texts.
+    """Sample `group_size` completions for each prompt with HF `generate`. Returns rollouts (B = len(prompts) × G)
+    and the texts. Rows of one prompt are adjacent and share a group id; reward, correctness and advantage are
+    left at 0 for rewards.py and grpo.py. `batch_size` bounds the sequences of one `generate` call.
 
-    Rows of one prompt are adjacent and share a group id. Reward, correctness and advantage are left at 0
-    for rewards.py and grpo.py to fill. `batch_size` bounds how many sequences are decoded together.
+    A fresh GenerationConfig is passed so nothing from the model's own generation_config (top_k, repetition
+    penalty, ...) changes the distribution: sampling is exactly softmax(logits / T) cut to the top-p nucleus,
+    applied by `_SamplingDistribution`.
     """
     was_training = model.training
     model.eval()
-    per_call = max(1, batch_size // group_size)  # prompts per call: their G copies make up one decoding batch
+    device = next(model.parameters()).device
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    gen_cfg = GenerationConfig(do_sample=temperature > 0, temperature=1.0, top_p=1.0, top_k=0,
+                               max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id)
+    expanded = [p for p in prompts for _ in range(group_size)]
     rows = []
-    for start in range(0, len(prompts), per_call):
-        rows += _sample(model, tokenizer, prompts[start : start + per_call], group_size, max_new_tokens, temperature, top_p)
+    for start in range(0, len(expanded), batch_size):
+        enc = tokenizer(expanded[start : start + batch_size], return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=False).to(device)
+        recorder = _SamplingDistribution(temperature, top_p)
+        out = model.generate(**enc, generation_config=gen_cfg, logits_processor=LogitsProcessorList([recorder]))
+        P = enc["input_ids"].shape[1]
+        completion = out[:, P:]  # (b, T)
+        logp = recorder.finish(completion[:, -1])  # (b, T)
+        # A completion ends at its first EOS (kept: the model must learn to stop); later tokens are padding.
+        is_eos = completion == eos_id
+        has_eos = is_eos.any(1)
+        comp_len = torch.where(has_eos, is_eos.int().argmax(1) + 1, completion.shape[1]).tolist()
+        prompt_len = enc["attention_mask"].sum(1).tolist()
+        for b in range(len(completion)):
+            seq = torch.cat([enc["input_ids"][b, P - prompt_len[b] :], completion[b, : comp_len[b]]]).cpu()
+            rows.append((seq, prompt_len[b], logp[b, : comp_len[b]].cpu(), not bool(has_eos[b])))
     model.train(was_training)
     texts = tokenizer.batch_decode([seq[plen:] for seq, plen, _, _ in rows], skip_special_tokens=True)
     group = step * len(prompts) + torch.arange(len(prompts))  # unique across steps: replayed rows never collide
     idx = torch.tensor(prompt_idx if prompt_idx is not None else range(len(prompts)))
-    return _pack(rows, tokenizer.pad_token_id, idx.repeat_interleave(group_size), group.repeat_interleave(group_size), step), texts
-
-
-def _sample(model, tokenizer, prompts: list[str], G: int, max_new_tokens: int, temperature: float, top_p: float) -> list:
-    """Decode G completions of each prompt with a KV cache. Returns rows (ids, prompt length, completion log-probs, truncated).
-
-    Two savings over `model.generate` on G copies of each prompt, neither of which changes what is sampled:
-    each prompt is run through the model once and its KV cache copied G times, and rows that have emitted EOS
-    leave the batch (once they are a quarter of it: dropping them copies the cache) instead of decoding padding.
-    """
-    device = next(model.parameters()).device
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False).to(device)
-    ids, attn = enc["input_ids"], enc["attention_mask"]  # (n, P), left-padded
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0),
-                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (n, V)
-    copy = torch.arange(len(prompts), device=device).repeat_interleave(G)  # (B,) prompt of each row
-    cache.batch_select_indices(copy)
-    logits, attn = logits[copy], attn[copy]
-    B = len(copy)
-    out = torch.full((B, max_new_tokens), pad_id, device=device)  # (B, T) completion tokens
-    logp = torch.zeros(B, max_new_tokens, device=device)  # (B, T) behaviour log-probs
-    has_eos = torch.zeros(B, dtype=torch.bool, device=device)
-    row = torch.arange(B, device=device)  # (b,) output row of each sequence still in the batch
-    pos = attn.sum(1)  # (b,) position id of the next token
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # (b,) emitted EOS, not yet dropped
-    for t in range(max_new_tokens):
-        token, token_logp = _draw(logits, temperature, top_p)  # (b,), (b,)
-        token = torch.where(done, pad_id, token)
-        out[row, t], logp[row, t] = token, torch.where(done, 0.0, token_logp)
-        ended = ~done & (token == eos_id)
-        has_eos[row[ended]] = True
-        done = done | ended
-        if t + 1 == max_new_tokens or bool(done.all()):
-            break
-        if int(done.sum()) * 4 >= len(done):
-            keep = (~done).nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            row, token, attn, pos, done = row[keep], token[keep], attn[keep], pos[keep], done[keep]
-        attn = torch.cat([attn, attn.new_ones(len(attn), 1)], 1)
-        logits = model(input_ids=token[:, None], attention_mask=attn, position_ids=pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]  # (b, V)
-        pos = pos + 1
-    # A completion ends at its first EOS (kept: the model must learn to stop).
-    comp_len = torch.where(has_eos, (out == eos_id).int().argmax(1) + 1, max_new_tokens).tolist()
-    prompt_len = enc["attention_mask"].sum(1).tolist()
-    P = ids.shape[1]
-    return [
-        (torch.cat([ids[i // G, P - prompt_len[i // G] :], out[i, : comp_len[i]]]).cpu(), prompt_len[i // G],
-         logp[i, : comp_len[i]].cpu(), not bool(has_eos[i]))
-        for i in range(B)
-    ]
-
-
-def _draw(logits: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(logits / T) cut to the top-p nucleus (greedy when T = 0), and its log-prob
-    under exactly that distribution: the behaviour log-prob that grpo.py divides by when the row is replayed."""
-    z = logits.float()  # (b, V)
-    if temperature > 0:
-        z = z / temperature
-        if top_p < 1:  # drop a token once the more likely ones already hold top_p of the mass (as HF's TopPLogitsWarper)
-            p, order = z.softmax(-1).sort(-1, descending=True)
-            drop = (p.cumsum(-1) - p) >= top_p
-            z = z.masked_fill(drop.scatter(1, order, drop), -torch.inf)
-        token = torch.multinomial(z.softmax(-1), 1).squeeze(1)
-    else:
-        token = z.argmax(-1)
-    return token, z.log_softmax(-1).gather(1, token[:, None]).squeeze(1)
+    return _pack(rows, pad_id, idx.repeat_interleave(group_size), group.repeat_interleave(group_size), step), texts
 
 
 def _pack(rows: list, pad_id: int, prompt_idx: torch.Tensor, group: torch.Tensor, step: int) -> Rollouts:

@@ -168,8 +168,8 @@ def main() -> None:
     acc0 = statistics.mean(r["acc_initial"] for r in results["ours"])
     print(f"\n{a.steps} steps x {a.rounds} rounds, config {a.config} {' '.join(overrides)}")
     print(f"{'':28s}{'train.py':>12s}{'TRL':>12s}{'ours/TRL':>10s}")
-    print(f"{'median step time (s)':28s}{s_ours['median_step']:12.2f}{s_trl['median_step']:12.2f}{s_ours['median_step'] / s_trl['median_step']:10.2f}")
-    print(f"{'generated tokens / s':28s}{s_ours['tokens_per_s']:12.0f}{s_trl['tokens_per_s']:12.0f}{s_ours['tokens_per_s'] / s_trl['tokens_per_s']:10.2f}")
+    for label, key, fmt in [("median step time (s)", "median_step", ".2f"), ("generated tokens / s", "tokens_per_s", ".0f")]:
+        print(f"{label:28s}{s_ours[key]:12{fmt}}{s_trl[key]:12{fmt}}{s_ours[key] / s_trl[key]:10.2f}")
     print(f"{'peak resident memory (MB)':28s}{s_ours['rss_mb']:12d}{s_trl['rss_mb']:12d}{s_ours['rss_mb'] / s_trl['rss_mb']:10.2f}")
     print(f"{'eval accuracy after':28s}{s_ours['acc_final']:12.3f}{s_trl['acc_final']:12.3f}   (before: {acc0:.3f})")
     phases = {k: statistics.median(r["phases"][k] for r in results["ours"]) for k in results["ours"][0]["phases"]}

@@ -30,6 +30,15 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OF
 LOSS_AGGS = ("dapo", "grpo", "dr_grpo")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread, as the configs use: a second thread on a shared 2-core machine mostly waits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_qwen3(vocab_size: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
