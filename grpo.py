@@ -170,18 +170,6 @@ def completion_logprobs(
     return logp, entropy
 
 
-@torch.no_grad()
-def batched_logprobs(model, tokens: Tensor, attention_mask: Tensor, temperature: float, micro_batch_size: int) -> Tensor:
-    """`token_logprobs` over micro-batches without grad, each trimmed to its longest row (right padding). (B, L)"""
-    L, parts = tokens.shape[1], []
-    for s in range(0, len(tokens), micro_batch_size):
-        am = attention_mask[s : s + micro_batch_size]  # (b, L)
-        n = int(am.sum(1).max())
-        logp, _ = token_logprobs(model, tokens[s : s + micro_batch_size, :n], am[:, :n], temperature)  # (b, n)
-        parts.append(F.pad(logp, (0, L - n)))
-    return torch.cat(parts)
-
-
 def policy_loss(
     logp: Tensor,
     behav_logp: Tensor,
