@@ -298,13 +298,6 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def from_dict(d: dict) -> Config:
-    cfg = Config()
-    for k, v in flatten(d).items():
-        _set(cfg, k, v)
-    return cfg
-
-
 def save_config(cfg: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
