@@ -82,7 +82,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling; behaviour log-probs are of the truncated distribution actually sampled."""
     gen_batch_size: int = 256
-    """Sequences decoded together (memory knob for generation; prompts per call = gen_batch_size // group_size)."""
+    """Sequences per HF `generate` call (memory knob for generation; a call may mix several prompts' groups)."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ Usage:
 Flags: --config FILE, --resume (continue from out_dir's latest checkpoint), --overwrite (start over in a
 non-empty out_dir), --debug (show tracebacks). Everything else is a dotted config override (config.py).
 
-One step, in order: rollout (KV-cached sampling, G samples per prompt, behaviour log-probs kept) → reward
+One step, in order: rollout (HF generate, G samples per prompt, behaviour log-probs kept) → reward
 (rewards.py) → advantages (grpo.py; RLEP first appends replayed successes to each group) → replay sample
 (replay.py) → update on fresh ∪ replayed in mini-batches × micro-batches → replay push → log → eval →
 checkpoint. Bad input prints one line and exits 2.
