@@ -170,10 +170,10 @@ class Run:
             return self.summary[summary_key]
         return next((r[metric_key] for r in reversed(self.records) if r.get(metric_key) is not None), None)
 
-    def evals(self) -> list[tuple[float, float]]:
-        """(generated tokens, eval accuracy) at every eval, starting with the step-0 eval from summary.json."""
-        start = [(0, self.summary["eval_accuracy_initial"])] if self.summary.get("eval_accuracy_initial") is not None else []
-        return start + [(r["generated_tokens"], r["eval/accuracy"]) for r in self.records if r.get("eval/accuracy") is not None]
+    def evals(self) -> list[tuple[int, float, float]]:
+        """(step, generated tokens, eval accuracy) at every eval, starting with the step-0 eval from summary.json."""
+        start = [(0, 0, self.summary["eval_accuracy_initial"])] if self.summary.get("eval_accuracy_initial") is not None else []
+        return start + [(r["step"], r["generated_tokens"], r["eval/accuracy"]) for r in self.records if r.get("eval/accuracy") is not None]
 
 
 def load_run(path: str | Path) -> Run:
@@ -192,30 +192,45 @@ def load_run(path: str | Path) -> Run:
     return Run(path, strategy, summary.get("seed", config.get("seed")), records, summary)
 
 
-def tokens_to_target(run: Run, target: float) -> float | None:
-    """Generated tokens at the first eval whose accuracy reaches `target`; None if it never does."""
-    return next((tokens for tokens, acc in run.evals() if acc >= target), None)
+def first_reach(run: Run, target: float) -> tuple[int, float] | tuple[None, None]:
+    """(step, generated tokens) of the first eval whose accuracy reaches `target`; (None, None) if none does."""
+    return next(((step, tokens) for step, tokens, acc in run.evals() if acc >= target), (None, None))
 
 
 def compare_runs(runs: list[Run], *, baseline: str = "none", target: float | None = None,
                  alpha: float = 1.0, beta: float = 3.0, gamma: float = 5.0) -> tuple[list[dict], float | None]:
-    """One row per run. The target accuracy and the AES baseline default to the `baseline` group's final means."""
+    """One row per run, with what the replay papers claim measured against the `baseline` group:
+      tokens_ratio  generated tokens to reach `target` (default: the baseline's mean final accuracy),
+                    divided by the baseline's mean generated tokens for the whole run;
+      steps_ratio   steps to reach the baseline's peak (the maximum of its seed-mean eval curve),
+                    divided by the step at which the baseline reached that peak;
+      aes           accuracy-efficiency score against the baseline's mean final accuracy and response length."""
     base = [r for r in runs if r.strategy == baseline]
     A_b = _mean(r.final("eval_accuracy_final", "eval/accuracy") for r in base) if base else math.nan
     L_b = _mean(r.final("eval_response_len_final", "eval/response_len") for r in base) if base else math.nan
+    T_b = _mean(r.final("generated_tokens", "generated_tokens") for r in base) if base else math.nan
     if target is None and base:
         target = A_b
+    by_step: dict[int, list[float]] = {}
+    for r in base:
+        for step, _, acc in r.evals():
+            by_step.setdefault(step, []).append(acc)
+    curve = [(step, _mean(accs)) for step, accs in sorted(by_step.items()) if len(accs) == len(base)]
+    peak_step, peak = max(curve, key=lambda c: (c[1], -c[0])) if curve else (None, None)
     rows = []
     for r in runs:
         A, L = r.final("eval_accuracy_final", "eval/accuracy"), r.final("eval_response_len_final", "eval/response_len")
+        _, tokens = first_reach(r, target) if target is not None else (None, None)
+        steps, _ = first_reach(r, peak) if peak is not None else (None, None)
         rows.append({
             "run": str(r.path), "strategy": r.strategy, "seed": r.seed, "final_accuracy": A, "final_response_len": L,
-            "tokens_to_target": tokens_to_target(r, target) if target is not None else None,
+            "tokens_to_target": tokens, "tokens_ratio": tokens / T_b if tokens is not None and T_b > 0 else None,
+            "steps_to_peak": steps, "steps_ratio": steps / peak_step if steps is not None and peak_step else None,
             "generated_tokens": r.final("generated_tokens", "generated_tokens"),
             "entropy_final": r.final("entropy_final", "entropy"), "wall_seconds": r.final("wall_seconds", "wall_seconds"),
             "aes": aes(L, A, L_b, A_b, alpha, beta, gamma) if None not in (A, L) else math.nan,
         })
-    return rows, target
+    return rows, target, peak
 
 
 def _pm(values: list, scale: float = 1.0, fmt: str = ".1f") -> str:
@@ -226,19 +241,28 @@ def _pm(values: list, scale: float = 1.0, fmt: str = ".1f") -> str:
     return f"{_mean(xs):{fmt}}" + (f" ± {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else "")
 
 
-def compare_table(rows: list[dict], target: float | None, baseline: str = "none") -> str:
+def _median(values: list, reached: int) -> str:
+    """Median over seeds; a seed that never reached counts as infinitely slow, as a median should."""
+    xs = sorted(v if v is not None else math.inf for v in values)
+    m = statistics.median(xs) if xs else math.inf
+    return ("not reached" if math.isinf(m) else f"{m:.2f}") + f" ({reached}/{len(xs)})"
+
+
+def compare_table(rows: list[dict], target: float | None, peak: float | None = None, baseline: str = "none") -> str:
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(r["strategy"], []).append(r)
     order = sorted(groups, key=lambda s: (s != baseline, s))
     tgt = "n/a" if target is None else f"{100 * target:.1f}%"
-    lines = [f"| strategy | seeds | final acc (%) | M tokens to {tgt} (reached) | entropy (end) | wall time (s) | AES vs {baseline} |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    pk = "n/a" if peak is None else f"{100 * peak:.1f}%"
+    lines = [f"| strategy | seeds | final acc (%) | tokens to {tgt} ÷ {baseline} tokens, median (reached) | "
+             f"steps to {pk} ÷ {baseline}'s, median (reached) | entropy (end) | wall time (s) | AES vs {baseline} |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in order:
         g = groups[s]
-        reached = [r["tokens_to_target"] for r in g if r["tokens_to_target"] is not None]
-        ttt = (_pm(reached, 1e-6, ".3g") if reached else "not reached") + f" ({len(reached)}/{len(g)})"
-        lines.append(f"| {s} | {len(g)} | {_pm([r['final_accuracy'] for r in g], 100)} | {ttt} | "
+        tok = _median([r["tokens_ratio"] for r in g], sum(r["tokens_ratio"] is not None for r in g))
+        stp = _median([r["steps_ratio"] for r in g], sum(r["steps_ratio"] is not None for r in g))
+        lines.append(f"| {s} | {len(g)} | {_pm([r['final_accuracy'] for r in g], 100)} | {tok} | {stp} | "
                      f"{_pm([r['entropy_final'] for r in g], fmt='.3f')} | {_pm([r['wall_seconds'] for r in g], fmt='.0f')} | "
                      f"{_pm([r['aes'] for r in g], fmt='.3f')} |")
     return "\n".join(lines)
@@ -259,7 +283,7 @@ def plot_curves(runs: list[Run], path: Path) -> bool:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for strategy in sorted({r.strategy for r in runs}):
-        curves = [np.array(r.evals(), dtype=float).T for r in runs if r.strategy == strategy and r.evals()]
+        curves = [np.array(r.evals(), dtype=float).T[1:] for r in runs if r.strategy == strategy and r.evals()]
         if not curves:
             continue
         lo, hi = max(c[0][0] for c in curves), min(c[0][-1] for c in curves)
@@ -288,9 +312,9 @@ def run_compare(args) -> None:
         runs = [load_run(d) for d in args.compare]
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
-    rows, target = compare_runs(runs, baseline=args.baseline, target=args.target,
-                                alpha=args.aes_alpha, beta=args.aes_beta, gamma=args.aes_gamma)
-    print(compare_table(rows, target, args.baseline))
+    rows, target, peak = compare_runs(runs, baseline=args.baseline, target=args.target,
+                                      alpha=args.aes_alpha, beta=args.aes_beta, gamma=args.aes_gamma)
+    print(compare_table(rows, target, peak, args.baseline))
     out = Path(args.out_dir or "eval_results/compare")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "compare.csv", "w", newline="") as f:

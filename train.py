@@ -45,9 +45,9 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
-from config import Config, ConfigError, flatten as _flat, load_config, save_config, to_dict, validate
+from config import Config, ConfigError, load_config, save_config, to_dict, validate
+from config import flatten as _flat
 from data.loaders import load_problems, read_jsonl
-from data.tiny_task import load_tiny
 from eval import evaluate
 from replay import make_replay
 from rewards import score_batch
@@ -62,16 +62,11 @@ class RunError(Exception):
 
 def load_train_eval(cfg: Config):
     d = cfg.data
-    if d.train == "tiny":
-        train = load_tiny("train", d.tiny_train_size, max_int=d.tiny_max_int, max_den=d.tiny_max_den, kinds=d.tiny_kinds)
-    else:
-        train = load_problems(d.train, data_dir=d.data_dir or None, problem_key=d.problem_key or None, answer_key=d.answer_key or None)
-    evals = []
-    for spec in d.eval.split(","):
-        if spec == "tiny":
-            evals += load_tiny("test", cfg.eval.n or 500, max_int=d.tiny_max_int, max_den=d.tiny_max_den, kinds=d.tiny_kinds)
-        else:
-            evals += load_problems(spec, data_dir=d.data_dir or None, limit=cfg.eval.n or None)
+    tiny = dict(max_int=d.tiny_max_int, max_den=d.tiny_max_den, kinds=d.tiny_kinds)
+    train_spec = "tiny_train" if d.train == "tiny" else d.train
+    train = load_problems(train_spec, data_dir=d.data_dir or None, problem_key=d.problem_key or None,
+                          answer_key=d.answer_key or None, limit=d.tiny_train_size if d.train == "tiny" else None, tiny=tiny)
+    evals = [p for spec in d.eval.split(",") for p in load_problems(spec, data_dir=d.data_dir or None, limit=cfg.eval.n or None, tiny=tiny)]
     return train, evals
 
 

@@ -40,12 +40,15 @@ _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer on its own line after 
 
 
 def load_problems(spec: str, *, data_dir: str | None = None, problem_key: str | None = None,
-                  answer_key: str | None = None, limit: int | None = None) -> list[Problem]:
-    """Problems for a benchmark name, a .jsonl/.parquet path, `hf:NAME[:CONFIG][:SPLIT]`, or "tiny"."""
+                  answer_key: str | None = None, limit: int | None = None, tiny: dict | None = None) -> list[Problem]:
+    """Problems for a benchmark name, a .jsonl/.parquet path, `hf:NAME[:CONFIG][:SPLIT]`, or "tiny".
+
+    "tiny" is the embedded task's fixed held-out split, "tiny_train" its training split; `tiny` holds its
+    difficulty knobs (`max_int`, `max_den`, `kinds`; defaults when None), so train.py and eval.py build the same task.
+    """
     if spec in ("tiny", "tiny_train"):
         from data.tiny_task import load_tiny  # lazy: only the embedded task needs it
-        # "tiny" is the fixed held-out split; "tiny_train" the default training split (as train.py builds it)
-        problems = load_tiny("test", limit or 500) if spec == "tiny" else load_tiny("train", limit or 2000)
+        problems = load_tiny("test" if spec == "tiny" else "train", limit or (500 if spec == "tiny" else 2000), **(tiny or {}))
     else:
         source, rows, where = _read_rows(spec, data_dir, limit)
         problems = [_to_problem(row, i, source, where, problem_key, answer_key) for i, row in enumerate(rows)]

@@ -131,9 +131,11 @@ def test_compare_on_synthetic_runs(tmp_path, capsys):
     with open(out / "compare.csv") as f:
         rows = {(r["strategy"], r["seed"]): r for r in csv.DictReader(f)}
 
-    # target = none's final mean 0.55; baseline length 110
+    # target = none's final mean 0.55; baseline length 110, tokens 2000; none's mean curve peaks at 0.55 at step 2
     assert rows["none", "0"]["tokens_to_target"] == "" and rows["none", "1"]["tokens_to_target"] == "1000"
-    assert rows["fifo", "0"]["tokens_to_target"] == "500"
+    assert rows["fifo", "0"]["tokens_to_target"] == "500" and float(rows["fifo", "0"]["tokens_ratio"]) == 0.25
+    assert rows["fifo", "1"]["steps_to_peak"] == "1" and float(rows["fifo", "1"]["steps_ratio"]) == 0.5
+    assert rows["aper", "0"]["steps_to_peak"] == "" and rows["aper", "0"]["tokens_ratio"] == ""
     # fifo: ΔL = (110 - 88) / 110 = 0.2, ΔA = (0.6 - 0.55) / 0.55 -> 0.2 + 3 ΔA
     assert float(rows["fifo", "1"]["aes"]) == pytest.approx(0.2 + 3 * 0.05 / 0.55)
     # aper (from metrics.jsonl, strategy from config.yaml): ΔL = 0, ΔA = -0.2 -> -5 * 0.2
@@ -141,9 +143,11 @@ def test_compare_on_synthetic_runs(tmp_path, capsys):
     assert float(rows["aper", "0"]["entropy_final"]) == 1.5 and float(rows["aper", "0"]["wall_seconds"]) == 10.0
 
     lines = table.splitlines()
-    assert lines[2].startswith("| none | 2 | 55.0 ± 7.1 | 0.001 (1/2) |")  # baseline first, honest reach count
-    assert any(line.startswith("| fifo | 2 | 60.0 ± 0.0 | 0.0005 ± 0 (2/2) |") for line in lines)
-    assert any(line.startswith("| aper | 1 | 44.0 | not reached (0/1) |") for line in lines)
+    assert "tokens to 55.0% ÷ none tokens" in lines[0] and "steps to 55.0% ÷ none's" in lines[0]
+    # baseline first; a seed that never reaches counts as slowest, so none's median of (0.5, never) is "not reached"
+    assert lines[2].startswith("| none | 2 | 55.0 ± 7.1 | not reached (1/2) | not reached (1/2) |")
+    assert any(line.startswith("| fifo | 2 | 60.0 ± 0.0 | 0.25 (2/2) | 0.50 (2/2) |") for line in lines)
+    assert any(line.startswith("| aper | 1 | 44.0 | not reached (0/1) | not reached (0/1) |") for line in lines)
     assert (out / "compare.png").exists() or "matplotlib is not installed" in table
 
 
