@@ -168,7 +168,9 @@ def test_model_text_is_never_executed(tmp_path, monkeypatch):
                 f"exec('open(\\'{target}\\', \\'w\\')')", f"lambda: open('{target}', 'w')",
                 "().__class__.__bases__[0].__subclasses__()", "zq_marker + 1"]
     completions = [f"\\boxed{{{p}}}" for p in payloads] + [f"The answer is {p}" for p in payloads]
-    assert not any(R.verify(c, "0", last_number_fallback=True) for c in completions)
+    # The gold is a number no payload or temp path contains: the last-number fallback reads digits out of
+    # the text (e.g. "pytest-0"), which is extraction, not execution.
+    assert not any(R.verify(c, "-271828", last_number_fallback=True) for c in completions)
     # In-process too, with eval/exec watched: sympy may evaluate its own source strings on lazy imports, but
     # never text from the answer.
     seen = []
