@@ -223,9 +223,8 @@ def _coerce(key: str, value, tp):
                 return float(value)
             except ValueError:
                 pass
-    elif tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+    elif tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
     raise ConfigError(f"config key {key} expects {getattr(tp, '__name__', tp)}, got {value!r}")
 
 

@@ -255,8 +255,8 @@ def compare_table(rows: list[dict], target: float | None, peak: float | None = N
     order = sorted(groups, key=lambda s: (s != baseline, s))
     tgt = "n/a" if target is None else f"{100 * target:.1f}%"
     pk = "n/a" if peak is None else f"{100 * peak:.1f}%"
-    lines = [f"| strategy | seeds | final acc (%) | tokens to {tgt} ÷ {baseline} tokens, median (reached) | "
-             f"steps to {pk} ÷ {baseline}'s, median (reached) | entropy (end) | wall time (s) | AES vs {baseline} |",
+    lines = [(f"| strategy | seeds | final acc (%) | tokens to {tgt} ÷ {baseline} tokens, median (reached) | "
+              f"steps to {pk} ÷ {baseline}'s, median (reached) | entropy (end) | wall time (s) | AES vs {baseline} |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in order:
         g = groups[s]

@@ -62,7 +62,7 @@ class RunError(Exception):
 
 def load_train_eval(cfg: Config):
     d = cfg.data
-    tiny = dict(max_int=d.tiny_max_int, max_den=d.tiny_max_den, kinds=d.tiny_kinds)
+    tiny = {"max_int": d.tiny_max_int, "max_den": d.tiny_max_den, "kinds": d.tiny_kinds}
     train_spec = "tiny_train" if d.train == "tiny" else d.train
     train = load_problems(train_spec, data_dir=d.data_dir or None, problem_key=d.problem_key or None,
                           answer_key=d.answer_key or None, limit=d.tiny_train_size if d.train == "tiny" else None, tiny=tiny)
@@ -308,7 +308,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         raise RunError(f"data.train {cfg.data.train!r} holds no problems")
 
     if cfg.model.device == "auto":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(cfg.model.device)
     model_path = cfg.model.path
@@ -318,7 +318,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     # Safe loading: code shipped in the model folder runs only if the config says so; weights load from safetensors
     # (transformers falls back to torch.load with weights_only=True for .bin files).
-    load = dict(trust_remote_code=cfg.model.trust_remote_code, dtype=dtype)
+    load = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": dtype}
     tokenizer = checked(f"model.path {model_path}", AutoTokenizer.from_pretrained, model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -413,7 +413,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 resume="allow" if wandb_id else None,
             )
             wandb_id = run.id
-    metrics_file = open(out / "metrics.jsonl", "a") if master else None
+    metrics_file = open(out / "metrics.jsonl", "a") if master else None  # noqa: SIM115 (open for the whole run, closed at the end)
 
     def run_eval() -> dict:
         # Eval draws from its own fixed seed so that how often we evaluate never changes training randomness.

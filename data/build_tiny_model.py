@@ -137,7 +137,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     # Same distribution as the RL training split (held-out problems excluded), from its own seed:
     # the warm start teaches the format and some arithmetic, and RL must do the rest.
-    difficulty = dict(max_int=a.max_int, max_den=a.max_den)
+    difficulty = {"max_int": a.max_int, "max_den": a.max_den}
     data = make_split("train", a.n_problems, seed=10_000 + a.seed, **difficulty)
     test = make_split("test", a.eval_n, **difficulty)
     n_batches = -(-len(data) // a.batch_size)

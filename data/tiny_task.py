@@ -120,8 +120,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     with open(a.out, "w") as f:
-        for p in make_split(a.split, a.n, a.seed):
-            f.write(json.dumps(p) + "\n")
+        f.writelines(json.dumps(p) + "\n" for p in make_split(a.split, a.n, a.seed))
 
 
 if __name__ == "__main__":
