@@ -2,7 +2,7 @@
 warm-started by a supervised pass on worked solutions of the tiny task, saved with `save_pretrained`.
 
 Usage:
-  python -m data.build_tiny_model                      # writes data/tiny_model/ (deterministic, ~8 min on one core)
+  python -m data.build_tiny_model                      # writes data/tiny_model/ (deterministic, ~11 min on one core)
   python -m data.build_tiny_model --out DIR --sft-steps 300
 
 The result loads like any Hugging Face model:
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=200, help="held-out problems for the sampled-accuracy check")
     a = ap.parse_args()
 
-    torch.set_num_threads(1)  # a 1 M-parameter model gains nothing from more threads on a CPU
+    torch.set_num_threads(1)  # a 0.8 M-parameter model gains nothing from more threads on a CPU
     torch.manual_seed(a.seed)
     t0 = time.time()
     tok = build_tokenizer()
