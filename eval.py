@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 import rewards
 from data.loaders import NAMED, Problem, load_problems, read_jsonl
+from replay import STRATEGIES
 from rollout import format_prompt, generate
 
 DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -282,15 +283,15 @@ def plot_curves(runs: list[Run], path: Path) -> bool:
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    known = ["none", "uniform", "aper", "rlep", "exgrpo"]  # one colour per strategy in every plot
-    for strategy in sorted({r.strategy for r in runs}, key=lambda s: (s not in known, known.index(s) if s in known else 0, s)):
+    rank = {s: i for i, s in enumerate(STRATEGIES)}  # registry order: one colour per strategy in every plot
+    for strategy in sorted({r.strategy for r in runs}, key=lambda s: (rank.get(s, len(rank)), s)):
         curves = [np.array(r.evals(), dtype=float).T[1:] for r in runs if r.strategy == strategy and r.evals()]
         if not curves:
             continue
         lo, hi = max(c[0][0] for c in curves), min(c[0][-1] for c in curves)
         grid = np.linspace(lo, max(lo, hi), 100)
         ys = 100 * np.stack([np.interp(grid, x, y) for x, y in curves])  # (seeds, 100)
-        colour = f"C{known.index(strategy)}" if strategy in known else None
+        colour = f"C{rank[strategy]}" if strategy in rank else None
         (line,) = ax.plot(grid, ys.mean(0), color=colour, label=f"{strategy} (n={len(curves)})")
         ax.fill_between(grid, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
     ax.set(xlabel="generated tokens", ylabel="eval accuracy (%)", title="eval accuracy vs generation cost (band: min-max over seeds)")

@@ -8,8 +8,8 @@ Usage:
 Order: the `none` runs go first; RLEP's phase I then samples 8 answers per training problem from the final
 model of `none` seed 0 and keeps the verified-correct ones (as RLEP collects them from a finished run); then the
 other strategies. Every run uses <configs>/<strategy>.yaml (default configs/tiny/, which differ only in
-`replay.*`: same fresh rollouts per step, same steps, so the same generation budget). Runs already finished (summary.json present) are
-kept, so an interrupted reproduction can simply be started again.
+`replay.*`: same fresh rollouts per step, same steps, so the same generation budget). Runs already finished
+(summary.json present) are kept, so an interrupted reproduction can simply be started again.
 """
 
 from __future__ import annotations
