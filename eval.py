@@ -35,9 +35,9 @@ from tqdm import tqdm
 import rewards
 from data.loaders import NAMED, Problem, load_problems, read_jsonl
 from replay import STRATEGIES
-from rollout import format_prompt, generate
+from rollout import RolloutConfig, end_ids, generate, load_model, prompt_ids
 
-DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -89,36 +89,27 @@ def _mean(xs) -> float:
 # ---------------------------------------------------------------------------------------------- evaluation
 
 
-def evaluate(model, tokenizer, problems: list[Problem], *, k: int, temperature: float, top_p: float,
-             max_new_tokens: int, batch_size: int, template: str, reward_cfg) -> dict[str, float]:
-    """Sample k completions per problem and verify them: accuracy (= avg@k), pass@k, maj@k, response_len, ...
-    Flat scalars, so train.py can log them as `eval/<key>`."""
-    records = sample_and_score(model, tokenizer, problems, k=k, temperature=temperature, top_p=top_p,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size, template=template, reward_cfg=reward_cfg)
-    return summarize(records)
-
-
-def sample_and_score(model, tokenizer, problems: list[Problem], *, k: int, temperature: float, top_p: float,
-                     max_new_tokens: int, batch_size: int, template: str, reward_cfg, desc: str | None = None,
-                     keep_texts: bool = False) -> list[dict]:
-    """One record per problem: per-sample correctness, extracted answers, token counts (and every completion
-    if `keep_texts`). tqdm bar if `desc`."""
-    per_call = max(1, batch_size // k)  # prompts per generate call, so that one call holds ~batch_size sequences
+def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: RolloutConfig, reward_cfg,
+             stop: list[int], desc: str | None = None, keep: bool = False) -> list[dict]:
+    """Sample `sampling.group_size` completions per prompt (token ids) and verify them against `golds`. One record
+    per prompt: per-sample correctness, extracted answers, token counts, mean sampling entropies (and, if `keep`,
+    every completion with its token ids and behaviour log-probs). A tqdm bar if `desc`."""
+    k = sampling.group_size
+    per_call = max(1, sampling.gen_batch_size // k)  # prompts per generate call: ~gen_batch_size sequences
     records = []
-    for start in tqdm(range(0, len(problems), per_call), desc=desc, disable=desc is None):
-        chunk = problems[start : start + per_call]
-        prompts = [format_prompt(tokenizer, p.problem, template) for p in chunk]
-        ro, texts = generate(model, tokenizer, prompts, k, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_p=top_p, batch_size=batch_size)
-        _, correct, _ = rewards.score_batch(texts, [p.answer for p in chunk for _ in range(k)], reward_cfg)
-        for j, p in enumerate(chunk):
-            rows = slice(j * k, (j + 1) * k)
+    for start in tqdm(range(0, len(prompts), per_call), desc=desc, disable=desc is None):
+        ro, texts = generate(model, tokenizer, prompts[start : start + per_call], sampling, stop)
+        _, correct, _ = rewards.score_batch(texts, [g for g in golds[start : start + per_call] for _ in range(k)], reward_cfg)
+        for j in range(len(texts) // k):
+            rows = range(j * k, (j + 1) * k)
             records.append({
-                "id": p.id, "gold": p.answer, "correct": [bool(c) for c in correct[rows]],
-                "answers": [rewards.extract_answer(t, reward_cfg.last_number_fallback) for t in texts[rows]],
+                "gold": golds[start + j], "correct": [bool(correct[i]) for i in rows],
+                "answers": [rewards.extract_answer(texts[i], reward_cfg.last_number_fallback) for i in rows],
                 "tokens": ro.completion_len[rows].tolist(), "truncated": ro.truncated[rows].tolist(),
-                "sample": texts[j * k],  # one completion per problem, to read what the model does
-                **({"completions": texts[rows]} if keep_texts else {}),
+                "entropy": ro.entropy[rows].tolist(), "sample": texts[j * k],  # one completion, to read what the model does
+                **({"completions": [texts[i] for i in rows], "ids": [ro.tokens[i, ro.prompt_len[i]: ro.seq_len[i]].tolist()
+                    for i in rows], "behav_logp": [ro.behav_logp[i, ro.prompt_len[i]: ro.seq_len[i]].tolist() for i in rows]}
+                   if keep else {}),
             })
     return records
 
@@ -134,6 +125,8 @@ def summarize(records: list[dict]) -> dict[str, float]:
         "maj@k": _mean(maj_at_k(r["answers"], r["correct"]) for r in records),
         "response_len": _mean(t for r in records for t in r["tokens"]),
         "truncation_rate": _mean(t for r in records for t in r["truncated"]),
+        "entropy": (sum(e * n for r in records for e, n in zip(r["entropy"], r["tokens"]))  # token mean, sampling policy
+                    / max(1, sum(n for r in records for n in r["tokens"]))),
         "n": len(records),
     }
 
@@ -328,57 +321,88 @@ def run_compare(args) -> None:
     print(f"\nwrote {out / 'compare.csv'}" + (f" and {out / 'compare.png'}" if plotted else ""))
 
 
-def run_eval(args) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def default_out_dir(model: str) -> Path:
+    """Results of a run's model go into that run (`runs/x/final` → `runs/x/eval/final`); anything else into
+    eval_results/<name>."""
+    path = Path(model).expanduser()
+    run = next((p for p in (path.parent, path.parent.parent) if (p / ".run").is_file()), None)
+    return run / "eval" / "_".join(path.relative_to(run).parts) if run else Path("eval_results") / path.name
 
+
+def run_eval(args) -> None:
+    checks = [(args.k >= 1, f"--k must be ≥ 1, got {args.k}"), (args.limit is None or args.limit >= 1, "--limit must be ≥ 1"),
+              (args.max_new_tokens >= 1, f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}"),
+              (args.batch_size >= 1, f"--batch-size must be ≥ 1, got {args.batch_size}"),
+              (args.temperature >= 0, f"--temperature must be ≥ 0, got {args.temperature}"),
+              (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+              ("{problem}" in args.template, "--template must contain {problem}")]
+    for ok, msg in checks:
+        if not ok:
+            fail(msg)
+    out = Path(args.out_dir) if args.out_dir else default_out_dir(args.model)
+    if out.exists() and not out.is_dir():
+        fail(f"--out-dir {out} is a file")
+    if (out / "results.json").exists() and not args.overwrite:
+        fail(f"{out / 'results.json'} exists; pass --overwrite to replace it or --out-dir to write elsewhere")
+    if args.save_correct and Path(args.save_correct).exists() and not args.overwrite:
+        fail(f"{args.save_correct} exists; pass --overwrite to replace it")
     benchmarks = {}
     for spec in args.benchmarks.split(","):
         name = spec if spec in NAMED or spec in ("tiny", "tiny_train") or spec.startswith("hf:") else Path(spec).stem
         try:  # all data first, so a typo fails before a slow model load
             benchmarks[name] = load_problems(spec, data_dir=args.data_dir, problem_key=args.problem_key,
                                              answer_key=args.answer_key, limit=args.limit)
-        except (ValueError, FileNotFoundError, ImportError) as e:
+        except (ValueError, FileNotFoundError, ImportError, TypeError) as e:
             fail(str(e))
-    local = Path(args.model).expanduser()
-    if not local.exists() and (args.model.startswith((".", "/", "~")) or args.model.count("/") > 1):
-        fail(f"model path not found: {args.model}")  # not a local folder, and not shaped like a hub id either
-    if local.is_dir() and not (local / "config.json").exists():
-        fail(f"{local} has no config.json: not a Hugging Face model folder")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code,
-                                                     dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    except (OSError, ValueError) as e:
-        fail(f"cannot load model {args.model}: {' '.join(str(e).split())[:300]}")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        model, tokenizer = load_model(args.model, args.trust_remote_code, torch.bfloat16 if device == "cuda" else torch.float32)
+        stop = end_ids(tokenizer, model, args.chat_template, args.stop_tokens.split(",") if args.stop_tokens else [])
+    except Exception as e:  # noqa: BLE001 -- any failure to load is one line about the model
+        fail(f"cannot load model {args.model}: {' '.join(str(e).split())[:300] or type(e).__name__}")
     model.to(device)
+    sampling = RolloutConfig(group_size=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.batch_size)
     torch.manual_seed(args.seed)
     results, records = {}, {}
     for name, problems in benchmarks.items():
-        records[name] = sample_and_score(model, tokenizer, problems, k=args.k, temperature=args.temperature,
-                                         top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                         template=args.template, reward_cfg=rewards.RewardConfig(), desc=name,
-                                         keep_texts=bool(args.save_correct))
+        prompts = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template, args.system_prompt) for p in problems]
+        records[name] = evaluate(model, tokenizer, prompts, [p.answer for p in problems], sampling, rewards.RewardConfig(),
+                                 stop, desc=name, keep=bool(args.save_correct))
+        for p, r in zip(problems, records[name]):
+            r["id"] = p.id
         results[name] = summarize(records[name])
-    if args.save_correct:  # RLEP phase I: every verified-correct completion, keyed by its problem text
-        problem_text = {p.id: p.problem for ps in benchmarks.values() for p in ps}
-        n = 0
-        with open(args.save_correct, "w") as f:
-            for recs in records.values():
-                for r in recs:
-                    for text, ok in zip(r.pop("completions"), r["correct"]):
-                        if ok:
-                            f.write(json.dumps({"problem": problem_text[r["id"]], "completion": text}) + "\n")
-                            n += 1
-        print(f"wrote {n} verified-correct completions to {args.save_correct}")
+    if args.save_correct:
+        tokens = sum(t for recs in records.values() for r in recs for t in r["tokens"])
+        meta = {"generated_tokens": tokens, "model": args.model, "k": args.k, "temperature": args.temperature,
+                "top_p": args.top_p}
+        n = save_correct(args.save_correct, [p for ps in benchmarks.values() for p in ps],
+                         [r for recs in records.values() for r in recs], meta)
+        print(f"wrote {n} verified-correct completions to {args.save_correct} ({tokens} tokens generated)")
     print(results_table(results, args.k))
-    out = Path(args.out_dir or Path("eval_results") / local.name)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = {"args": vars(args), "macro": macro_average(results), "benchmarks": results, "problems": records}
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        summary = {"args": vars(args), "macro": macro_average(results), "benchmarks": results, "problems": records}
+        (out / "results.json").write_text(json.dumps(summary, indent=1))
+    except OSError as e:
+        fail(f"cannot write {out / 'results.json'}: {e.strerror}")
     print(f"\nwrote {out / 'results.json'}")
+
+
+def save_correct(path: str, problems: list[Problem], records: list[dict], meta: dict) -> int:
+    """RLEP phase I: every verified-correct completion of `records` (evaluate(keep=True)) with its problem text,
+    token ids and behaviour log-probs, so phase II replays exactly these tokens; `<path>.meta.json` gets `meta`
+    (with the tokens this sampling generated). Returns the number of completions written."""
+    n = 0
+    with open(path, "w") as f:
+        for p, r in zip(problems, records, strict=True):
+            for text, ids, lp, ok in zip(r.pop("completions"), r.pop("ids"), r.pop("behav_logp"), r["correct"]):
+                if ok:
+                    f.write(json.dumps({"problem": p.problem, "completion": text, "completion_ids": ids,
+                                        "behav_logp": [round(x, 6) for x in lp]}) + "\n")
+                    n += 1
+    Path(path + ".meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return n
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -386,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model", help="local checkpoint folder or Hugging Face model id")
     mode.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="training run folders to compare")
-    ap.add_argument("--out-dir", help="where JSON/CSV/PNG go (default eval_results/<model name> or eval_results/compare)")
+    ap.add_argument("--out-dir", help="where JSON/CSV/PNG go (default: <run>/eval/<model> for a run's model, "
+                    "eval_results/<model name>, eval_results/compare)")
     g = ap.add_argument_group("evaluating a model")
     g.add_argument("--benchmarks", default="tiny", help=f"comma list of tiny, {', '.join(NAMED)}, .jsonl/.parquet paths, hf:NAME")
     g.add_argument("--data-dir", help="folder holding the benchmark files (math500_test.jsonl, ...)")
@@ -398,7 +423,13 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--max-new-tokens", type=int, default=1024)
     g.add_argument("--batch-size", type=int, default=64, help="sequences per generate call")
-    g.add_argument("--template", default=DEFAULT_TEMPLATE, help="instruction with a {problem} slot (braces doubled)")
+    g.add_argument("--template", default=DEFAULT_TEMPLATE, help="instruction text; {problem} is replaced by the problem")
+    g.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                   help="plain prompts, even when the tokenizer has a chat template")
+    g.add_argument("--system-prompt", default="", help="system turn of the chat template (empty = none)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--stop-tokens", default="", help="comma-separated extra end tokens")
+    g.add_argument("--overwrite", action="store_true", help="replace existing results")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--save-correct", metavar="JSONL", help="write every verified-correct completion (RLEP phase I)")

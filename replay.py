@@ -40,11 +40,14 @@ All randomness comes from one torch.Generator owned by the buffer; state_dict sa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from rollout import Rollouts
+from data.loaders import read_jsonl
+from rollout import Rollouts, pack
 
 
 @dataclass
@@ -76,6 +79,17 @@ class ReplayConfig:
     exgrpo_min_solve: float = 0.35
     """exgrpo: mix in experience only once the fresh batch solve rate reaches this"""
 
+    def check(self) -> list[tuple[bool, str]]:
+        """Checks every strategy shares, then the chosen strategy's own (its class's `check`)."""
+        known = self.strategy in STRATEGIES
+        return [(known, f"replay.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"),
+                (self.capacity >= 1, f"replay.capacity must be ≥ 1, got {self.capacity}"),
+                (not self.rlep_source or self.strategy == "rlep", f"replay.rlep_source is read by rlep only, "
+                                                                   f"not {self.strategy}"),
+                (self.advantage in ("stored", "recompute"), f"replay.advantage must be stored or recompute, "
+                                                            f"got {self.advantage!r}"),
+                *(STRATEGIES[self.strategy].check(self) if known else [])]
+
 
 # Per-row fields kept exactly as Rollouts holds them; the 2-D tokens and behav_logp are stored separately.
 L64, F32, BOOL = torch.int64, torch.float32, torch.bool
@@ -88,6 +102,11 @@ DIAGNOSTICS = ("sampled", "replayed_share", "age_mean", "age_max", "reuse_mean",
 
 class Replay:
     """Tensor storage shared by all strategies. The base stores nothing and adds nothing; subclasses decide."""
+
+    @staticmethod
+    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
+        """(condition, message) for this strategy's own keys; evaluating it must never raise."""
+        return []
 
     def __init__(self, cfg: ReplayConfig, max_len: int, pad_id: int, seed: int):
         self.cfg, self.max_len, self.pad_id = cfg, max_len, pad_id
@@ -119,8 +138,11 @@ class Replay:
     def push(self, batch: Rollouts, step: int) -> None:
         pass
 
-    def load_rlep_solutions(self, rollouts: Rollouts) -> None:
-        raise ValueError(f"load_rlep_solutions needs replay.strategy=rlep, not {self.cfg.strategy!r}")
+    def start(self, problems: list, prompts: list[list[int]], tokenizer, cfg) -> int:
+        """Called once before training with the training problems, their prompt ids, the tokenizer and the whole
+        config; a strategy with an external source loads it here. Returns the tokens generated to make that source
+        (counted in tokens/generated_total), 0 when there is none."""
+        return 0
 
     def metrics(self) -> dict[str, float]:
         m = {"replay/size": float(len(self)), **{f"replay/evicted_{k}": float(v) for k, v in self.evicted.items()}}
@@ -246,6 +268,12 @@ class NoReplay(Replay):
 class UniformReplay(Replay):
     """FIFO of the latest rollouts, drawn uniformly without removal; `ratio` is the replayed share of the batch."""
 
+    @staticmethod
+    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
+        return [(0 <= cfg.ratio < 1, f"replay.ratio must be in [0, 1) for uniform (the replayed share of the batch), "
+                                     f"got {cfg.ratio}"),
+                (cfg.max_age >= 0, f"replay.max_age must be ≥ 0 (0 = no limit), got {cfg.max_age}")]
+
     def push(self, batch: Rollouts, step: int) -> None:
         self._write(batch.select(~batch.replayed))
 
@@ -259,6 +287,14 @@ class UniformReplay(Replay):
 
 class AperReplay(Replay):
     """Rollout-level, advantage-prioritized, age-bounded; every fresh row stays in the batch and k are added."""
+
+    @staticmethod
+    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
+        return [(0 <= cfg.ratio <= 4, f"replay.ratio must be in [0, 4] for aper (replayed rows per fresh row), "
+                                      f"got {cfg.ratio}"),
+                (cfg.tau_max >= 1, f"replay.tau_max must be ≥ 1, got {cfg.tau_max}"),
+                (0 <= cfg.alpha < 100 and 0 < cfg.priority_eps < 1e6, "replay.alpha must be ≥ 0 and "
+                                                                      "replay.priority_eps > 0")]
 
     def push(self, batch: Rollouts, step: int) -> None:
         self._write(batch.select(~batch.replayed & (batch.advantage.abs() > ZERO_ADV)))  # A = 0 carries no gradient
@@ -279,6 +315,35 @@ class AperReplay(Replay):
 
 class RlepReplay(Replay):
     """Verified successes per prompt, appended to each fresh group of the same prompt before advantages."""
+
+    @staticmethod
+    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
+        return [(cfg.rlep_n >= 1, f"replay.rlep_n must be ≥ 1, got {cfg.rlep_n}")]
+
+    def start(self, problems: list, prompts: list[list[int]], tokenizer, cfg) -> int:
+        """Phase I from `rlep_source`: a JSONL of verified solutions, one per line, {"problem": text (or "prompt_idx":
+        i), "completion_ids": [...], "behav_logp": [...]} as `eval.py --save-correct` writes them; the sampled token
+        ids are replayed exactly. A text-only row ({"completion": text}) is tokenized, the end token appended. The
+        tokens phase I generated come from `<rlep_source>.meta.json` when it exists."""
+        if not self.cfg.rlep_source:
+            return 0
+        path, by_problem, rows = self.cfg.rlep_source, {p.problem: i for i, p in enumerate(problems)}, []
+        for n, r in enumerate(read_jsonl(path), 1):
+            i, ids = r.get("prompt_idx", by_problem.get(r.get("problem"))), r.get("completion_ids")
+            if ids is None and isinstance(r.get("completion"), str):
+                ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            if not isinstance(i, int) or not 0 <= i < len(prompts) or not isinstance(ids, list) or not ids:
+                raise ValueError(f"{path}: row {n} needs a known problem (or prompt_idx) and a completion")
+            ids = ids[: cfg.rollout.max_new_tokens]
+            lp = r.get("behav_logp") if len(r.get("behav_logp") or []) >= len(ids) else [0.0] * len(ids)
+            rows.append((prompts[i] + ids, len(prompts[i]), lp[: len(ids)], False, 0.0, i))
+        if not rows:
+            raise ValueError(f"replay.rlep_source {path} holds no solutions")
+        ro = pack([r[:5] for r in rows], self.pad_id, torch.tensor([r[5] for r in rows]), torch.full((len(rows),), -1), 0)
+        ro.reward, ro.correct = torch.full((len(rows),), cfg.reward.correct), torch.ones(len(rows), dtype=torch.bool)
+        self.load_rlep_solutions(ro)
+        meta = Path(path + ".meta.json")
+        return int(json.loads(meta.read_text()).get("generated_tokens", 0)) if meta.is_file() else 0
 
     def load_rlep_solutions(self, rollouts: Rollouts) -> None:
         """Phase I: seed the store with verified-correct rows (the trainer tokenizes `rlep_source` into Rollouts with
@@ -310,6 +375,11 @@ class RlepReplay(Replay):
 class ExgrpoReplay(Replay):
     """Per-prompt successes, prompts drawn by a Gaussian weight on solve-rate buckets, lowest-entropy success replayed."""
 
+    @staticmethod
+    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
+        return [(0 <= cfg.ratio < 1, f"replay.ratio must be in [0, 1) for exgrpo, got {cfg.ratio}"),
+                (0 < cfg.exgrpo_sigma < 1e6, f"replay.exgrpo_sigma must be > 0, got {cfg.exgrpo_sigma}")]
+
     def push(self, batch: Rollouts, step: int) -> None:
         fresh = batch.select(~batch.replayed)
         prompts, inv = torch.unique(fresh.prompt_idx, return_inverse=True)
@@ -340,19 +410,8 @@ STRATEGIES = {"none": NoReplay, "uniform": UniformReplay, "aper": AperReplay, "r
 
 
 def make_replay(cfg: ReplayConfig, max_len: int, pad_id: int, seed: int) -> Replay:
-    """The buffer for `cfg.strategy`, with its sampling generator seeded from `seed`."""
-    share = cfg.strategy in ("uniform", "exgrpo")
-    checks = [
-        (cfg.strategy in STRATEGIES, f"replay.strategy must be one of {', '.join(STRATEGIES)}, got {cfg.strategy!r}"),
-        (cfg.capacity >= 1, f"replay.capacity must be ≥ 1, got {cfg.capacity}"),
-        (0 <= cfg.ratio < 1 if share else 0 <= cfg.ratio <= 4, f"replay.ratio out of range for {cfg.strategy}: {cfg.ratio}"),
-        (cfg.max_age >= 0 and cfg.tau_max >= 1, "replay.max_age must be ≥ 0 and replay.tau_max ≥ 1"),
-        (cfg.alpha >= 0 and cfg.priority_eps > 0, "replay.alpha must be ≥ 0 and replay.priority_eps > 0"),
-        (cfg.advantage in ("stored", "recompute"), f"replay.advantage must be stored or recompute, got {cfg.advantage!r}"),
-        (cfg.rlep_n >= 1 and cfg.exgrpo_sigma > 0, "replay.rlep_n must be ≥ 1 and replay.exgrpo_sigma > 0"),
-        (max_len >= 1, f"max_len must be ≥ 1, got {max_len}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    """The buffer for `cfg.strategy` (checked by `cfg.check()`), its sampling generator seeded from `seed`."""
+    problems = [msg for ok, msg in cfg.check() if not ok]
+    if problems:
+        raise ValueError(problems[0])
     return STRATEGIES[cfg.strategy](cfg, max_len, pad_id, seed)

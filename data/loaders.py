@@ -16,6 +16,7 @@ whole string when it has none). Answers are not normalised here: equivalence is 
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import re
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class Problem:
     answer: str  # gold answer as written in the source ("025", "70,000", "\\frac{14}{3}")
     id: str  # stable id from the source when it has one, else "{source}-{row}"
     source: str = ""  # benchmark name or file stem
+    system: str = ""  # the system turn a chat-format row carries (ExGRPO's data does), used unless data.system_prompt is set
 
 
 NAMED = {  # name -> file stem in data_dir; benchmarks ship as JSONL, training sets may also be parquet
@@ -55,6 +57,19 @@ def load_problems(spec: str, *, data_dir: str | None = None, problem_key: str | 
     if not problems:
         raise ValueError(f"{spec}: no problems found (empty dataset)")
     return problems
+
+
+def load_task(data, eval_n: int) -> tuple[list[Problem], list[Problem]]:
+    """(training problems, held-out eval problems) for config.DataConfig `data`; eval takes the first `eval_n`
+    (0 = all) of each comma-separated eval spec."""
+    tiny = {"max_int": data.tiny_max_int, "max_den": data.tiny_max_den, "kinds": data.tiny_kinds}
+    is_tiny = data.train == "tiny"
+    train = load_problems("tiny_train" if is_tiny else data.train, data_dir=data.data_dir or None, tiny=tiny,
+                          problem_key=data.problem_key or None, answer_key=data.answer_key or None,
+                          limit=data.tiny_train_size if is_tiny else None)
+    evals = [p for spec in data.eval.split(",") for p in load_problems(spec, data_dir=data.data_dir or None,
+                                                                        limit=eval_n or None, tiny=tiny)]
+    return train, evals
 
 
 def _read_rows(spec: str, data_dir: str | None, limit: int | None) -> tuple[str, list[dict], str]:
@@ -126,15 +141,24 @@ def _to_problem(row: dict, i: int, source: str, where: str, problem_key: str | N
         what, tried = ("problem", pkeys) if pkey is None else ("answer", akeys)
         raise ValueError(f"{where}: row {i} has no {what} field (tried {'/'.join(tried)}; pass {what}_key)")
     problem, answer = _get(row, pkey), _get(row, akey)
-    if not isinstance(problem, str):  # chat messages: the problem is the last user turn
-        problem = [m["content"] for m in problem if m.get("role") == "user"][-1]
+    system = ""
+    if isinstance(problem, list):  # chat messages: the problem is the last user turn, a system turn is kept
+        turns = [m for m in problem if isinstance(m, dict)]
+        system = next((m.get("content") or "" for m in turns if m.get("role") == "system"), "")
+        problem = next((m.get("content") for m in reversed(turns) if m.get("role") == "user"), None)
+    if not isinstance(problem, str) or not problem.strip():
+        raise ValueError(f"{where}: row {i}: the problem ({pkey}) is not a non-empty string")
     problem = _DAPO_TAIL.sub("", _DAPO_HEAD.sub("", problem))
     if isinstance(answer, str) and "####" in answer:  # GSM8K: worked solution, then "#### 70,000"
         answer = answer.rsplit("####", 1)[1]
     elif isinstance(answer, str) and akey == "solution":  # MATH train: the answer is the solution's last \boxed{}
         answer = last_boxed(answer) or answer
     rid = row.get("id", row.get("unique_id"))
-    return Problem(problem.strip(), _as_text(answer), f"{source}-{i}" if rid is None else str(rid), source)
+    text = _as_text(answer)
+    if text is None:  # a null (NaN in parquet), a bool, a list: \boxed{nan} must never be a reward a policy can learn
+        raise ValueError(f"{where}: row {i}: the gold answer ({akey}) must be a non-empty string or a finite number, "
+                         f"got {str(answer)[:40]!r}")
+    return Problem(problem.strip(), text, f"{source}-{i}" if rid is None else str(rid), source, system)
 
 
 def _get(row: dict, key: str):
@@ -145,12 +169,15 @@ def _get(row: dict, key: str):
     return value.tolist() if hasattr(value, "tolist") else value  # parquet gives numpy arrays and scalars
 
 
-def _as_text(value) -> str:
+def _as_text(value) -> str | None:
+    """The gold answer as text, or None when it is not a non-empty string or a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Real)):
+        return None
     if isinstance(value, numbers.Integral):
         return str(int(value))
     if isinstance(value, numbers.Real):  # AMC stores 27.0: the integer it means, else the float as written
-        return str(int(value)) if float(value).is_integer() else repr(float(value))
-    return str(value).strip()
+        return None if not math.isfinite(value) else str(int(value)) if float(value).is_integer() else repr(float(value))
+    return value.strip() or None
 
 
 def last_boxed(text: str) -> str | None:

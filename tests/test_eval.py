@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from transformers import AutoTokenizer
 
 import eval as ev
-from data.loaders import Problem
+from rollout import RolloutConfig, pack
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(os.environ.get("SHARED_DATA_DIR", ROOT.parent / "shared" / "data")) / "benchmarks"
@@ -71,28 +72,27 @@ def test_aes_hand_values():
 
 def test_evaluate_on_scripted_completions(monkeypatch):
     rewards = pytest.importorskip("rewards")
-    script = {"p1": ["\\boxed{1}", "\\boxed{1}"], "p2": ["\\boxed{3}", "\\boxed{4}"], "p3": ["\\boxed{5}", "no idea"]}
-    problems = [Problem("p1", "1", "a"), Problem("p2", "4", "b"), Problem("p3", "9", "c")]
+    script = {1: ["\\boxed{1}", "\\boxed{1}"], 2: ["\\boxed{3}", "\\boxed{4}"], 3: ["\\boxed{5}", "no idea"]}
 
-    def fake_generate(model, tokenizer, prompts, k, **kw):
-        texts = [t for p in prompts for t in script[p][:k]]
-        ro = SimpleNamespace(completion_len=torch.tensor([len(t) for t in texts]),
-                             truncated=torch.tensor([t == "no idea" for t in texts]))
-        return ro, texts
+    def fake_generate(model, tokenizer, prompts, sampling, stop, *args):
+        texts = [t for p in prompts for t in script[p[0]][: sampling.group_size]]
+        n = torch.tensor([len(t) for t in texts])
+        return SimpleNamespace(completion_len=n, truncated=torch.tensor([t == "no idea" for t in texts]),
+                               entropy=n / 10), texts
 
     monkeypatch.setattr(ev, "generate", fake_generate)
-    kw = {"k": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 9, "batch_size": 2, "template": "{problem}",
-          "reward_cfg": rewards.RewardConfig()}
-    records = ev.sample_and_score(None, None, problems, **kw)
+    sampling = RolloutConfig(group_size=2, max_new_tokens=9, gen_batch_size=2)
+    records = ev.evaluate(None, None, [[1], [2], [3]], ["1", "4", "9"], sampling, rewards.RewardConfig(), [0])
     assert [r["correct"] for r in records] == [[True, True], [False, True], [False, False]]
     assert [r["answers"] for r in records] == [["1", "1"], ["3", "4"], ["5", None]]
-    r = ev.evaluate(None, None, problems, **kw)  # flat scalars, as train.py logs them
+    r = ev.summarize(records)  # flat scalars, as train.py logs them
     assert r["n"] == 3 and all(isinstance(v, float | int) for v in r.values())
     assert r["accuracy"] == pytest.approx((1 + 0.5 + 0) / 3)
     assert r["pass@k"] == pytest.approx(2 / 3)
     assert r["maj@k"] == pytest.approx(1 / 3)  # p2 ties 3 vs 4 and "3" came first
     assert r["response_len"] == pytest.approx((9 * 5 + 7) / 6)
     assert r["truncation_rate"] == pytest.approx(1 / 6)
+    assert r["entropy"] == pytest.approx((9 * 5 * 0.9 + 7 * 0.7) / (9 * 5 + 7))  # a token mean: rows weigh by length
 
 
 # ---------------------------------------------------------------------------------------------- --compare
@@ -212,19 +212,34 @@ def test_cli_model_end_to_end(tiny_random_model, tmp_path):
 
 
 def test_save_correct_writes_only_verified_completions(tiny_random_model, tmp_path, monkeypatch):
-    """RLEP phase I: `--save-correct` keeps exactly the verified-correct samples, keyed by problem text."""
+    """RLEP phase I: `--save-correct` keeps exactly the verified-correct samples with their token ids and behaviour
+    log-probs, and writes the tokens phase I generated beside them."""
     custom = tmp_path / "custom.jsonl"
     custom.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "2*3", "answer": "6"}) + "\n")
     script = {"1+1": ["\\boxed{2}", "\\boxed{3}"], "2*3": ["\\boxed{5}", "so \\boxed{6}"]}
 
-    def fake_generate(model, tokenizer, prompts, k, **kw):
-        texts = [t for p in prompts for q in script if q in p for t in script[q]]  # prompts carry the chat template
-        return SimpleNamespace(completion_len=torch.tensor([len(t) for t in texts]), truncated=torch.zeros(len(texts), dtype=torch.bool)), texts
+    def fake_generate(model, tokenizer, prompts, sampling, stop, *args):
+        rows, texts = [], []
+        for p in prompts:
+            for t in next(v for q, v in script.items() if q in tokenizer.decode(p)):  # prompts carry the chat template
+                ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+                rows.append((p + ids, len(p), [-0.5] * len(ids), False, 1.0))
+                texts.append(t)
+        n = len(rows)
+        return pack(rows, tokenizer.pad_token_id, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), 0), texts
 
     monkeypatch.setattr(ev, "generate", fake_generate)
     saved = tmp_path / "phase1.jsonl"
     ev.main(["--model", str(tiny_random_model), "--benchmarks", str(custom), "--k", "2", "--template", "{problem}",
              "--out-dir", str(tmp_path / "out"), "--save-correct", str(saved)])
     rows = [json.loads(line) for line in saved.read_text().splitlines()]
-    assert rows == [{"problem": "1+1", "completion": "\\boxed{2}"}, {"problem": "2*3", "completion": "so \\boxed{6}"}]
+    tok = AutoTokenizer.from_pretrained(tiny_random_model)
+    assert [(r["problem"], r["completion"]) for r in rows] == [("1+1", "\\boxed{2}"), ("2*3", "so \\boxed{6}")]
+    for r in rows:
+        assert r["completion_ids"] == tok(r["completion"], add_special_tokens=False)["input_ids"]
+        assert r["behav_logp"] == [-0.5] * len(r["completion_ids"])
+    meta = json.loads(saved.with_name("phase1.jsonl.meta.json").read_text())
+    assert meta["generated_tokens"] == sum(len(tok(t, add_special_tokens=False)["input_ids"]) for v in script.values() for t in v)
     assert "completions" not in json.loads((tmp_path / "out" / "results.json").read_text())["problems"]["custom"][0]
+
+

@@ -252,8 +252,8 @@ def test_rlep_phase_one_store_is_fixed():
     assert torch.bincount(added.prompt_idx).tolist() == [3, 1]
     buf.push(fresh, 1)
     assert len(buf) == 5  # phase II never adds to a phase-I store
-    with pytest.raises(ValueError, match="rlep"):
-        buffer("aper").load_rlep_solutions(rollouts(1))
+    with pytest.raises(ValueError, match="replay.rlep_source is read by rlep only"):
+        buffer("aper", rlep_source="solutions.jsonl")
 
 
 # ---------------------------------------------------------------- exgrpo
