@@ -1,4 +1,5 @@
-"""The GRPO objective as small pure functions on tensors: advantages, token log-probs, the clipped loss, metrics.
+"""The GRPO objective as small pure functions on tensors (advantages, token log-probs, the clipped loss, metrics),
+and `update_policy`, which applies it to one batch in mini-batches × micro-batches.
 
 Per completion token t of rollout i (advantage A_i; every log-prob is taken at the sampling temperature):
 
@@ -35,14 +36,22 @@ clip against the sampling policy, k3 KL to a reference with beta > 0):
 7. Advantages: `none` (Dr. GRPO) and `batch` scales besides `group` (unbiased std); groups with equal rewards
    get exactly 0 and are counted in the metrics.
 8. Entropy is measured, never added as a bonus.
+9. Rows of a truncated completion can be left out of the loss (rollout.mask_truncated, DAPO's overlong filtering),
+   and rewards can be shaped by length (rewards.overlong_penalty); both are off by default.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch import Tensor
 
 
@@ -66,6 +75,21 @@ class GRPOConfig:
     """C in min(π_prox/μ, C), decoupled mode only"""
     beta: float = 0.0
     """k3 KL weight; the reference model is not even loaded when 0"""
+
+    def check(self) -> list[tuple[bool, str]]:
+        return [(self.adv_scale in ("group", "batch", "none"), f"grpo.adv_scale must be group, batch or none, "
+                                                               f"got {self.adv_scale!r}"),
+                (0 <= self.adv_eps < 1, f"grpo.adv_eps must be in [0, 1), got {self.adv_eps}"),
+                (self.loss_agg in ("grpo", "dapo", "dr_grpo"), f"grpo.loss_agg must be grpo, dapo or dr_grpo, "
+                                                               f"got {self.loss_agg!r}"),
+                (self.offpolicy in ("behaviour", "decoupled"), f"grpo.offpolicy must be behaviour or decoupled, "
+                                                               f"got {self.offpolicy!r}"),
+                (0 <= self.eps_low < 1 and 0 <= self.eps_high < 100, "grpo.eps_low must be in [0, 1) and "
+                                                                     "grpo.eps_high in [0, 100)"),
+                (self.dual_clip == 0 or 1 < self.dual_clip < 1e6, f"grpo.dual_clip must be 0 (off) or > 1, "
+                                                                  f"got {self.dual_clip}"),
+                (1 <= self.is_cap < 1e6, f"grpo.is_cap must be ≥ 1, got {self.is_cap}"),
+                (0 <= self.beta < 1e6, f"grpo.beta must be ≥ 0, got {self.beta}")]
 
 
 def group_advantages(rewards: Tensor, group: Tensor, scale: str = "group", eps: float = 1e-6) -> tuple[Tensor, dict]:
@@ -242,44 +266,145 @@ def policy_loss(
     else:
         raise ValueError(f"loss_agg must be grpo | dapo | dr_grpo, got {cfg.loss_agg!r}")
 
-    # Metrics convention: every value is a float that adds up over micro-batches (the loss, the token count
-    # `tokens`, and token counts or token sums), except `*_min` / `*_max` (extremes). combine_metrics turns the
-    # token sums into means. is_weight_* is π_prox/μ before truncation (1 on on-policy rows), in both modes.
+    # Metrics, every one a tensor that adds up over micro-batches and ranks: the loss (already normalised), the token
+    # count `tokens`, and token sums (clip fractions, approx_kl, is_weight, entropy, kl_ref: divide by `tokens`
+    # once added up); only the importance-weight extremes take a max / min instead. is_weight is π_prox/μ before
+    # truncation (1 on on-policy rows), in both modes.
     with torch.no_grad():
         r, raw_w = ratio.detach(), log_w.exp()
-        n_valid = int(m.sum())
-        metrics = {
-            "loss": loss.item(),
-            "tokens": float(n_valid),
-            "clip_low": float((m & (A < 0) & (r < 1 - cfg.eps_low)).sum()),
-            "clip_high": float((m & (A > 0) & (r > 1 + cfg.eps_high)).sum()),
-            "clip_dual": float(dual.sum()),
-            "approx_kl": float(valid((r - 1) - log_ratio.detach()).sum()),
-            "is_weight_sum": float(valid(raw_w).sum()),
-            "is_weight_min": float(raw_w[m].min()) if n_valid else torch.inf,
-            "is_weight_max": float(raw_w[m].max()) if n_valid else -torch.inf,
-            "is_capped": float((m & (raw_w > cfg.is_cap)).sum()) if cfg.offpolicy == "decoupled" else 0.0,
-        }
+
+        def total(x: Tensor) -> Tensor:
+            return valid(x.to(logp.dtype)).sum()
+
+        metrics = {"loss": loss.detach(), "tokens": total(torch.ones_like(r)),
+                   "clip_low": total((A < 0) & (r < 1 - cfg.eps_low)), "clip_high": total((A > 0) & (r > 1 + cfg.eps_high)),
+                   "clip_dual": total(dual), "approx_kl": total((r - 1) - log_ratio.detach()), "is_weight_mean": total(raw_w),
+                   "is_capped": total(raw_w > cfg.is_cap) * (cfg.offpolicy == "decoupled"),
+                   "is_weight_max": raw_w[m].max() if m.any() else torch.tensor(-torch.inf),
+                   "is_weight_min": raw_w[m].min() if m.any() else torch.tensor(torch.inf)}
         if entropy is not None:
-            metrics["entropy"] = float(valid(entropy.detach()).sum())
+            metrics["entropy"] = total(entropy.detach())
         if cfg.beta > 0:
-            metrics["kl_ref"] = float(valid(kl.detach()).sum())
+            metrics["kl_ref"] = total(kl.detach())
     return loss, metrics
 
 
-def combine_metrics(parts: list[dict]) -> dict:
-    """Micro-batch metrics of `policy_loss` → step metrics: summed loss and tokens, min of mins, max of maxes,
-    and every token sum divided by the total tokens (`is_weight_sum` becomes `is_weight_mean`; counts become fractions)."""
-    tokens = sum(p["tokens"] for p in parts)
-    out = {}
-    for k in parts[0]:
-        vals = [p[k] for p in parts]
-        if k.endswith("_min"):
-            out[k] = min(vals)
-        elif k.endswith("_max"):
-            out[k] = max(vals)
-        elif k in ("loss", "tokens"):
-            out[k] = sum(vals)
-        else:
-            out[k.removesuffix("_sum") + ("_mean" if k.endswith("_sum") else "")] = sum(vals) / max(tokens, 1)
+
+# ----------------------------------------------------------------------------------------------------- the update
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    """Add the seconds the block takes to times[name]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+
+
+def all_ranks(x, op=None):
+    """`x` (a number or a float tensor) reduced over the processes, sum by default; `x` itself in one process."""
+    if not dist.is_initialized():
+        return x
+    t = torch.as_tensor(x, dtype=torch.float64).clone()
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t if isinstance(x, Tensor) else t.item()
+
+
+def _rows_logprobs(model, mb, cfg, device, with_entropy=False):
+    # Each prompt runs once for its rows (a shared KV cache) unless backward would have to go through that cache:
+    # gradient checkpointing drops it, and FSDP frees a layer's gathered weights after its forward.
+    share = not cfg.model.gradient_checkpointing and not (torch.is_grad_enabled() and isinstance(model, FSDPModule))
+    return completion_logprobs(model, mb.tokens.to(device), mb.prompt_len.to(device), mb.seq_len.to(device),
+                               cfg.rollout.temperature, with_entropy, share_prompt=share)
+
+
+def no_grad_logprobs(model, batch, cfg, compute, device) -> Tensor:
+    """(B, L) log-probs of every row of `batch` under `model`, without gradients, optim.logprob_batch_size rows at a
+    time. Under FSDP each forward is collective, so a rank with fewer chunks repeats its first one (discarded)."""
+    out = torch.zeros(batch.tokens.shape)
+    chunks = list(torch.argsort(batch.completion_len).split(cfg.optim.logprob_batch_size))
+    for j in range(int(all_ranks(len(chunks), dist.ReduceOp.MAX))):
+        rows = chunks[min(j, len(chunks) - 1)]
+        with torch.no_grad(), compute:
+            lp, _ = _rows_logprobs(model, batch.select(rows), cfg, device)
+        if j < len(chunks):
+            out[rows, : lp.shape[1]] = lp.float().cpu()
     return out
+
+
+def update_policy(cfg, model, policy, optimizer, batch, device, compute=nullcontext(), ref=None) -> tuple:
+    """`cfg.optim.minibatches` optimizer steps on `batch` (this rank's rows; cfg is config.Config), each
+    accumulating micro-batches of optim.micro_batch_size rows. `model` is the HF module (no-grad passes, clipping,
+    the weight check), `policy` what the training forward goes through (the model, compiled, or DDP-wrapped).
+
+    Loss normalisers are totals over every rank, so the gradient DDP/FSDP average (hence `loss · world`) is the
+    whole batch's. None of the following changes the gradient: rows with A = 0 are not run when beta = 0 (their
+    gradient is exactly 0), micro-batches hold rows of similar length, and each prompt is run once for its rows.
+    Returns (metrics averaged over the optimizer steps, each row's mean token entropy under the policy (NaN if not
+    trained on), why each step was skipped (None when taken), seconds per phase). Raises FloatingPointError when an
+    optimizer step leaves non-finite weights.
+    """
+    times, world = {}, dist.get_world_size() if dist.is_initialized() else 1
+    trained = ~batch.truncated if cfg.rollout.mask_truncated else torch.ones(len(batch), dtype=torch.bool)
+    prox_all = ref_all = None
+    with timed(times, "prox_logprobs"):  # π at the start of the step, for the later mini-batches
+        prox_all = no_grad_logprobs(model, batch, cfg, compute, device) if cfg.optim.minibatches > 1 else None
+    with timed(times, "ref_logprobs"):
+        ref_all = no_grad_logprobs(ref, batch, cfg, compute, device) if ref is not None else None
+    order = torch.randperm(len(batch)) if cfg.optim.minibatches > 1 else torch.arange(len(batch))
+    steps, reasons, entropy = [], [], torch.full((len(batch),), float("nan"))
+    for rows in order.tensor_split(cfg.optim.minibatches):  # every rank takes the same number of steps
+        rows = rows[trained[rows]]
+        total = all_ranks(torch.tensor([len(rows), float(batch.completion_len[rows].sum()),
+                                        float((batch.advantage[rows] != 0).any())]))
+        run = rows[batch.advantage[rows] != 0] if cfg.grpo.beta == 0 else rows
+        micro = [m for m in run[torch.argsort(batch.completion_len[run], stable=True)].split(cfg.optim.micro_batch_size)
+                 if len(m)]
+        n_micro = int(all_ranks(max(1, len(micro)), dist.ReduceOp.MAX))  # FSDP: as many forwards on every rank
+        optimizer.zero_grad(set_to_none=True)
+        sums, hi, lo = {}, torch.tensor(-torch.inf), torch.tensor(torch.inf)
+        with timed(times, "forward_backward"):
+            for j in range(n_micro):
+                real = j < len(micro)  # else a one-row stand-in whose loss is multiplied by 0
+                mu = batch.select(micro[j] if real else torch.arange(1))
+                cols, mask = mu.tokens.shape[1], mu.completion_mask().to(device)
+                sync = policy.no_sync() if hasattr(policy, "no_sync") and j < n_micro - 1 else nullcontext()
+                with sync, compute:
+                    logp, ent = _rows_logprobs(policy, mu, cfg, device, with_entropy=True)
+                    idx = micro[j] if real else torch.arange(1)
+                    loss, m = policy_loss(
+                        logp, mu.behav_logp.to(device), mu.advantage.to(device), mask, mu.onpolicy.to(device), cfg.grpo,
+                        n_seqs=max(1, int(total[0])), n_tokens=max(1, int(total[1])), entropy=ent,
+                        max_new_tokens=cfg.rollout.max_new_tokens,
+                        prox_logp=None if prox_all is None else prox_all[idx, :cols].to(device),
+                        ref_logp=None if ref_all is None else ref_all[idx, :cols].to(device))
+                    if total[2] > 0:
+                        (loss * (world if real else 0.0)).backward()
+                if real:
+                    entropy[idx] = ((ent.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
+                    hi = torch.maximum(hi, m.pop("is_weight_max").cpu())
+                    lo = torch.minimum(lo, m.pop("is_weight_min").cpu())
+                    sums = {k: sums.get(k, 0.0) + v.detach().double().cpu() for k, v in m.items()}
+        with timed(times, "optimizer"):
+            keys, ext = sorted(sums), all_ranks(torch.stack([hi, -lo]).double(), dist.ReduceOp.MAX)
+            sums = dict(zip(keys, all_ranks(torch.stack([sums[k] for k in keys])).tolist())) if keys else {"loss": 0.0}
+            sums = {k: v if k in ("loss", "tokens") else v / max(sums["tokens"], 1) for k, v in sums.items()}
+            reason = "zero_adv" if total[2] == 0 else None
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf) \
+                if reason is None else torch.tensor(0.0)
+            grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+            if reason is None and not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):
+                reason = "nonfinite"  # a NaN/inf loss or gradient: the weights are left as they are
+            if reason is None:
+                optimizer.step()
+                shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+                if all_ranks(float(not all(bool(torch.isfinite(p).all()) for p in shards))):
+                    raise FloatingPointError("non-finite weights after the optimizer step")
+            optimizer.zero_grad(set_to_none=True)
+        steps.append(sums | {"grad_norm": grad_norm, "is_weight_max": ext[0].item(), "is_weight_min": -ext[1].item()})
+        reasons.append(reason)
+    keys = sorted({k for s in steps for k in s})  # a step with no trained row has only loss and grad_norm
+    metrics = {k: sum(s[k] for s in steps if k in s) / sum(k in s for s in steps) for k in keys}
+    return metrics | {"tokens": sum(s.get("tokens", 0.0) for s in steps)}, entropy, reasons, times

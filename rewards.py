@@ -70,6 +70,17 @@ class RewardConfig:
     """relative tolerance for decimals and irrational values: 1.414214 is sqrt(2), 3.1416 is not pi"""
     workers: int = 2
     """verifier worker processes, started on first use and kept until exit"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the last this-many tokens before rollout.max_new_tokens (0 = off)"""
+    overlong_factor: float = 1.0
+    """the penalty reaches −overlong_factor at rollout.max_new_tokens, falling linearly across the buffer"""
+
+    def check(self) -> list[tuple[bool, str]]:
+        return [(self.overlong_buffer >= 0, f"reward.overlong_buffer must be ≥ 0 (0 = off), got {self.overlong_buffer}"),
+                (0 <= self.overlong_factor < 1e6, f"reward.overlong_factor must be ≥ 0, got {self.overlong_factor}"),
+                (0 < self.timeout < 1e6, f"reward.timeout must be > 0, got {self.timeout}"),
+                (self.workers >= 1, f"reward.workers must be ≥ 1, got {self.workers}"),
+                (0 <= self.rel_tol < 1, f"reward.rel_tol must be in [0, 1), got {self.rel_tol}")]
 
 
 MAX_TEXT = 20_000  # only the tail of a completion is searched: the final answer is at the end
@@ -739,6 +750,14 @@ def score_batch(completions: list[str], golds: list, cfg: RewardConfig) -> tuple
                               "reward/correct_frac": sum(correct) / n,
                               "reward/worker_frac": len(jobs) / n,
                               "reward/verify_seconds": time.perf_counter() - t0}
+
+
+def overlong_penalty(lengths, max_new_tokens: int, cfg: RewardConfig):
+    """DAPO's soft overlong punishment for completion lengths (a tensor), added to the reward: 0 up to max_new_tokens
+    − overlong_buffer tokens, then falling linearly to −overlong_factor at max_new_tokens; 0 when the buffer is 0."""
+    if cfg.overlong_buffer <= 0:
+        return 0.0 * lengths
+    return -cfg.overlong_factor * (lengths - (max_new_tokens - cfg.overlong_buffer)).clamp(min=0) / cfg.overlong_buffer
 
 
 def verify(completion: str, gold: str, rel_tol: float = 1e-6, timeout: float = 2.0,

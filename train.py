@@ -3,83 +3,325 @@
 Usage:
   python train.py --config configs/tiny.yaml --out_dir=runs/tiny                 # embedded model + task, CPU
   python train.py --config configs/tiny.yaml --replay.strategy=aper --seed=1      # flip one key
-  python train.py --config configs/tiny.yaml --out_dir=runs/tiny --resume         # continue after a kill
-  torchrun --nproc_per_node=2 train.py --config configs/tiny.yaml --out_dir=runs/ddp
+  python train.py --config configs/tiny.yaml --out_dir=runs/tiny --resume         # continue after a kill or a stop
+  torchrun --nproc_per_node=8 train.py --config configs/papers/rlep_qwen25_math_7b.yaml --out_dir=runs/rlep
 
-Flags: --config FILE, --resume (continue from out_dir's latest checkpoint), --overwrite (start over in a
-non-empty out_dir), --debug (show tracebacks). Everything else is a dotted config override (config.py).
+Flags: --config FILE; --resume (newest checkpoint in out_dir) or --resume=step_000040; --overwrite (start over in a
+run's out_dir: the old run is removed once the new one has finished a step); --debug (tracebacks). Everything else
+is a dotted config override (config.py).
 
-One step, in order: rollout (HF generate, G samples per prompt, behaviour log-probs kept) → reward
-(rewards.py) → advantages (grpo.py; RLEP first appends replayed successes to each group) → replay sample
-(replay.py) → update on fresh ∪ replayed in mini-batches × micro-batches → replay push → log → eval →
-checkpoint. Bad input prints one line and exits 2.
+One step: rollout (HF generate, G samples per prompt, behaviour log-probs kept) → reward (rewards.py, plus DAPO's
+overlong shaping when on) → advantages (grpo.py; RLEP first appends stored successes to each group) → replay
+sample → update on fresh ∪ replayed rows (grpo.update_policy) → replay push → log → eval → checkpoint.
 
-Each metrics.jsonl line times the step's phases (seconds): time/generate (behaviour log-probs are recorded while
-sampling, no extra pass), reward, advantage, replay_sample, prox_logprobs (a no-grad pass, only when
-optim.minibatches > 1), ref_logprobs (only when grpo.beta > 0), forward_backward, optimizer, replay_push, other
-(bookkeeping between them); time/step is the step's wall clock without eval, and time/eval is logged apart.
+Safety: bad input is one line and exit 2, found before anything is created or deleted. out_dir is locked and marked
+as a run's, so --overwrite removes only what a run wrote. Checkpoints go to a temporary folder, are fsync'ed and
+renamed into place. SIGTERM (preemption) checkpoints and exits 143; SIGINT exits 130.
 
-Under torchrun each rank generates for its share of the step's prompts (prompts[rank::world]) and keeps its own
-replay buffer (capacity, priorities and staleness bounds are per rank; it stores and replays only that rank's
-rollouts); gradients are all-reduced by DDP so every rank applies the global batch's update. Rank 0 alone logs,
-evaluates (the others wait at a barrier) and writes checkpoints, which hold every rank's buffer and RNG state.
+Several processes (torchrun): each rank generates for its share of the step's prompts and keeps its own replay
+buffer; model.parallel=ddp replicates the model, fsdp (FSDP2) shards it. Loss normalisers are global totals, so
+every rank applies the whole batch's update. Rank 0 logs and writes the model; each rank writes its trainer state.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
+import math
 import os
 import pickle
 import random
 import shutil
+import signal
 import sys
 import time
-from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
-from config import Config, ConfigError, load_config, save_config, to_dict, validate
-from config import flatten as _flat
-from data.loaders import load_problems, read_jsonl
-from eval import evaluate
+from config import Config, ConfigError, flat_dict, load_config, save_config, validate
+from data.loaders import load_task
+from eval import evaluate, summarize
+from grpo import all_ranks, timed
 from replay import make_replay
-from rewards import score_batch
-from rollout import Rollouts, format_prompt, generate, rollouts_from_texts
+from rewards import overlong_penalty, score_batch
+from rollout import Rollouts, build_prompts, end_ids, full_weights, generate, load_policy
 
-RUN_FLAGS = ("--resume", "--overwrite", "--debug")
+RUN_FILES = {".run", ".lock", ".overwritten", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final",
+             "wandb", "eval"}  # what runs write in out_dir: all --overwrite may move away
+RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint.", "reward.workers", "reward.timeout",
+             "reward.batch_budget", "model.gradient_checkpointing", "model.compile", "model.device",
+             "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size")  # may change on --resume
 
 
 class RunError(Exception):
-    """Bad input found while setting up a run (missing model, empty dataset, ...): one line, exit 2."""
+    """Bad input, or a failed read or write, found while running: one line, exit 2."""
 
 
-def load_train_eval(cfg: Config):
-    d = cfg.data
-    tiny = {"max_int": d.tiny_max_int, "max_den": d.tiny_max_den, "kinds": d.tiny_kinds}
-    train_spec = "tiny_train" if d.train == "tiny" else d.train
-    train = load_problems(train_spec, data_dir=d.data_dir or None, problem_key=d.problem_key or None,
-                          answer_key=d.answer_key or None, limit=d.tiny_train_size if d.train == "tiny" else None, tiny=tiny)
-    evals = [p for spec in d.eval.split(",") for p in load_problems(spec, data_dir=d.data_dir or None, limit=cfg.eval.n or None, tiny=tiny)]
-    return train, evals
+def main(argv: list[str]) -> int:
+    flags = {a.split("=")[0]: a.partition("=")[2] for a in argv if a.split("=")[0] in ("--resume", "--overwrite", "--debug")}
+    rest = [a for a in argv if a.split("=")[0] not in flags]
+    config_path, i = None, 0
+    while i < len(rest):  # --config FILE or --config=FILE; the last one wins
+        if rest[i] == "--config" or rest[i].startswith("--config="):
+            config_path = rest[i][9:] if "=" in rest[i] else (rest[i + 1] if i + 1 < len(rest) else "")
+            rest = rest[:i] + rest[i + (1 if "=" in rest[i] else 2):]
+        else:
+            i += 1
+    try:
+        if config_path == "":
+            raise ConfigError("--config needs a file")
+        cfg = load_config(config_path, rest)
+        validate(cfg)
+        if "--resume" in flags and "--overwrite" in flags:
+            raise ConfigError("--resume and --overwrite exclude each other")
+        return train(cfg, resume=flags.get("--resume"), overwrite="--overwrite" in flags)
+    except (ConfigError, RunError) as e:  # bad input; any other exception is a bug and keeps its traceback
+        if "--debug" in flags:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+# ------------------------------------------------------------------------------------------ the run's folder
+
+
+def check_out_dir(out: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse, before anything is created or deleted, an out_dir this run may not use."""
+    if out.exists() and not out.is_dir():
+        raise RunError(f"out_dir {out} is a file")
+    names = {p.name for p in out.iterdir()} - {".lock"} if out.is_dir() else set()
+    if names and (not (out / ".run").is_file() or names - RUN_FILES):
+        strange = sorted(names - RUN_FILES)[:3] or ["no .run marker"]
+        raise RunError(f"out_dir {out} holds files no run wrote ({', '.join(strange)}); choose another out_dir")
+    if names and resume is None and not overwrite:
+        raise RunError(f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over")
+    if overwrite and (out / ".overwritten").exists():
+        raise RunError(f"out_dir {out}/.overwritten holds a run an interrupted --overwrite set aside; move it back "
+                       "or delete it first")
+
+
+def claim_out_dir(out: Path, overwrite: bool):
+    """Create out_dir, lock it against a second run (the lock dies with the process), mark it as a run's, and set
+    an overwritten run aside in .overwritten/ (deleted after the new run's first step, put back if it fails)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "a+")  # noqa: SIM115 -- held for the whole run
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise RunError(f"out_dir {out} is in use by another run (pid {lock.read().strip() or '?'})") from None
+        lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
+        moved = [p for p in out.iterdir() if p.name in RUN_FILES - {".run", ".lock", ".overwritten"}] if overwrite else []
+        if moved:
+            (out / ".overwritten").mkdir()
+            for p in moved:
+                os.replace(p, out / ".overwritten" / p.name)
+        if not (out / ".run").exists():
+            (out / ".run").write_text(json.dumps({"created": time.time(), "pid": os.getpid()}) + "\n")
+        return lock
+    except OSError as e:
+        raise RunError(f"out_dir {out} is not writable: {e.strerror or e}") from None
+
+
+def restore_overwritten(out: Path) -> None:
+    """The run started with --overwrite failed before its first step: put the old run back."""
+    for p in out.iterdir():
+        if p.name in RUN_FILES - {".run", ".lock", ".overwritten"}:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    for p in (out / ".overwritten").iterdir():
+        os.replace(p, out / p.name)
+    (out / ".overwritten").rmdir()
+
+
+def write_file(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically: a temporary file, fsync'ed, renamed over `path`, the folder fsync'ed."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"{path} could not be written ({e.strerror or e}); the previous version is intact") from None
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints, oldest first: a folder is named step_N only once everything in it is on disk."""
+    return sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir())
+
+
+def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> None:
+    """Write an HF model folder (float32 weights as safetensors, gathered from FSDP shards; the tokenizer) and this
+    rank's trainer state into a temporary folder, fsync every file, then rename it to `folder`. Every rank calls it.
+    A failure on any rank (a full disk raises OSError, SafetensorError or RuntimeError alike) removes the temporary
+    folder and is one RunError naming what is intact."""
+    rank, tmp, error = dist.get_rank() if dist.is_initialized() else 0, folder.with_name(f".tmp_{folder.name}"), ""
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier() if dist.is_initialized() else None
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            weights = model.state_dict()
+        if rank == 0:
+            model.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+        if state is not None:
+            torch.save(state, tmp / f"state_rank{rank}.pt")
+        for f in tmp.iterdir():
+            fsync(f)
+    except Exception as e:  # noqa: BLE001 -- reported below, on every rank
+        error = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    if all_ranks(float(bool(error)), dist.ReduceOp.MAX if dist.is_initialized() else None):
+        shutil.rmtree(tmp, ignore_errors=True) if rank == 0 else None
+        intact = checkpoints(folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent)
+        raise RunError(f"{folder} could not be written ({error or 'on another rank'}); "
+                       + (f"{intact[-1]} is intact: free space, then --resume" if intact else "no checkpoint is intact"))
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # only there when a resumed run redoes its last step
+        os.replace(tmp, folder)
+        fsync(folder.parent)
+    dist.barrier() if dist.is_initialized() else None
+
+
+def save_checkpoint(r: Run) -> None:
+    """checkpoints/step_N: the model, and per rank its replay buffer, RNG streams, the run's progress and its optimizer
+    state (FSDP: its own shards; otherwise rank 0 alone, the state being the same on every rank)."""
+    opt = None
+    if r.rank == 0 or r.sharded:
+        opt = r.optimizer.state_dict()  # FSDP's DTensor shards as plain local tensors: the file loads weights_only
+        opt["state"] = {k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in s.items()}
+                        for k, s in opt["state"].items()}
+    state = {"replay": r.replay.state_dict(), "rng": rng_state(), "optimizer": opt, "world": r.world,
+             "run": {**r.progress, "config": flat_dict(r.cfg)}}
+    step = r.progress["step"]
+    save_model(r.model, r.tokenizer, r.out / "checkpoints" / f"step_{step:06d}", state)
+    if r.rank == 0:
+        for old in checkpoints(r.out)[: -r.cfg.checkpoint.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
+    """The checkpoint to resume ("" = the newest, else a step_N name) and this rank's trainer state. A damaged one is
+    one line naming the newest intact checkpoint before it."""
+    found = checkpoints(out)
+    if not found:
+        hint = "; an interrupted --overwrite left the previous run in .overwritten/" if (out / ".overwritten").is_dir() else ""
+        raise RunError(f"--resume: no complete checkpoint in {out / 'checkpoints'}{hint}")
+    ck = out / "checkpoints" / which if which else found[-1]
+    try:
+        return ck, read_state(ck, rank)
+    except RunError as e:
+        older = [p for p in found if p.name < ck.name and readable(p, rank)]
+        raise RunError(f"{e}; " + (f"the newest intact one is {older[-1].name}: --resume={older[-1].name}"
+                                   if older else "no older checkpoint is intact")) from None
+
+
+def read_state(ck: Path, rank: int) -> dict:
+    """This rank's trainer state from checkpoint `ck`, after checking that its weights file is whole."""
+    from safetensors import safe_open
+
+    try:
+        state = torch.load(ck / f"state_rank{rank}.pt", weights_only=True)  # tensors and plain values only
+        if not isinstance(state, dict) or not {"rng", "replay", "world", "run"} <= set(state):
+            raise ValueError("trainer state without its keys")
+        for f in sorted(ck.glob("*.safetensors")) or [ck / "model.safetensors"]:
+            with safe_open(f, "pt") as st:  # a truncated file fails here: its header promises more than is there
+                list(st.keys())
+        return state
+    except pickle.UnpicklingError:
+        raise RunError(f"checkpoint {ck.name}: holds objects other than tensors and plain values; refusing to unpickle "
+                       "them") from None
+    except Exception as e:  # noqa: BLE001 -- missing, truncated, empty or foreign: all "damaged"
+        raise RunError(f"checkpoint {ck.name} is damaged ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+
+
+def readable(ck: Path, rank: int) -> bool:
+    try:
+        return bool(read_state(ck, rank))
+    except RunError:
+        return False
+
+
+def restore(r: Run, ck: Path, state: dict) -> None:
+    """Continue the run saved in `ck`: optimizer, replay buffer, RNG streams (the weights were loaded from `ck`)."""
+    opt = state["optimizer"] if r.sharded else read_state(ck, 0)["optimizer"] if r.rank else state["optimizer"]
+    if state["world"] != r.world:
+        raise RunError(f"checkpoint {ck.name} was written by {state['world']} processes; resume it with as many")
+    try:
+        r.optimizer.load_state_dict(opt)
+        for p, s in r.optimizer.state.items():  # back to DTensor shards under FSDP
+            for n, v in s.items():
+                if isinstance(p, DTensor) and v.dim() > 0 and not isinstance(v, DTensor):
+                    s[n] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        r.replay.load_state_dict(state["replay"])
+    except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        raise RunError(f"checkpoint {ck.name} does not fit this run ({' '.join(str(e).split())[:200]})") from None
+    set_rng_state(state["rng"])
+
+
+def check_resume_config(cfg: Config, saved: dict, step: int) -> list[str]:
+    """Refuse changed keys that change the meaning of the saved state; return the harmless ones that changed."""
+    changed = sorted(k for k, v in flat_dict(cfg).items() if k in saved and saved[k] != v)
+    refused = [k for k in changed if not k.startswith(RESUMABLE)]
+    if refused:
+        raise RunError(f"--resume: {', '.join(refused)} differ from the checkpoint's and change what its state means; "
+                       "set them back or start a new run")
+    if cfg.max_steps < step:
+        raise RunError(f"--resume: max_steps ({cfg.max_steps}) is below the checkpoint's step ({step})")
+    return changed
+
+
+# ------------------------------------------------------------------------------------------------ small helpers
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Learning rate of generation step `step` (0-based): linear warm-up, then constant or cosine decay."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
+    cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return o.lr * (cosine if o.schedule == "cosine" else 1.0)
 
 
 def prompt_order(n: int, position: int, count: int, seed: int) -> list[int]:
-    """Indices of the next `count` training problems: a fresh seeded permutation each epoch.
-    A pure function of the position, so resuming only needs the position."""
+    """Indices of the next `count` training problems: a fresh seeded permutation each epoch. A pure function of the
+    position, so resuming only needs the position."""
     out = []
     while len(out) < count:
         epoch, offset = divmod(position, n)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
         take = perm[offset : offset + count - len(out)]
-        out += take
-        position += len(take)
+        out, position = out + take, position + len(take)
     return out
 
 
@@ -87,9 +329,7 @@ def rng_state() -> dict:
     """Every global RNG as tuples, lists and tensors: the checkpoint then loads with torch.load(weights_only=True)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     s = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
+    return s | ({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
 
 
 def set_rng_state(s: dict) -> None:
@@ -101,505 +341,305 @@ def set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def skip_reason(any_signal: bool, loss: float, grad_norm: torch.Tensor) -> str | None:
-    """Why an optimizer step must leave the weights alone (a key of the `skipped/*` counters), or None to step.
-    All-zero advantages: AdamW would still move the weights (momentum, weight decay) on a zero gradient."""
-    if not any_signal:
-        return "zero_adv"
-    if not (np.isfinite(loss) and bool(torch.isfinite(grad_norm))):
-        return "nonfinite"
-    return None
+class StopSignal:
+    """SIGTERM / SIGINT ask the loop to stop at its next safe point; a second signal stops at once."""
+
+    def __init__(self):
+        self.signum = 0
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self)
+
+    def __call__(self, signum, frame):
+        if self.signum:
+            print(f"\nerror: {signal.Signals(signum).name} again: stopping now, without a checkpoint", file=sys.stderr)
+            os._exit(128 + signum)
+        self.signum = signum
+
+    def agreed(self) -> int:  # every rank stops at the same point
+        return int(all_ranks(self.signum, dist.ReduceOp.MAX if dist.is_initialized() else None))
 
 
-def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, scheduler, replay, state: dict, keep_last: int) -> None:
-    """Write checkpoints/step_N atomically: a temporary folder renamed into place, then `latest` updated last.
-    A kill at any point leaves `latest` naming a complete checkpoint; a failed write (full disk) removes its
-    temporary folder and stops the run with one line."""
-    ckdir = out / "checkpoints"
-    final, tmp = ckdir / f"step_{step:06d}", ckdir / f".tmp_step_{step:06d}"
-    try:
-        ckdir.mkdir(exist_ok=True)
-        for stale in ckdir.glob(".tmp_step_*"):  # left by a run killed while writing
-            shutil.rmtree(stale, ignore_errors=True)
-        getattr(model, "module", model).save_pretrained(tmp)  # safetensors
-        tokenizer.save_pretrained(tmp)
-        trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "replay": replay.state_dict(),
-                         "rng": rng_state(), **state}
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        shutil.rmtree(final, ignore_errors=True)  # only exists when a resumed run redoes a step `latest` never named
-        os.replace(tmp, final)
-        (ckdir / "latest.tmp").write_text(final.name)
-        os.replace(ckdir / "latest.tmp", ckdir / "latest")
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        kept = (ckdir / "latest").read_text().strip() if (ckdir / "latest").is_file() else None
-        raise RunError(f"checkpoint {final} could not be written ({e.strerror or e}); "
-                       + (f"{kept} is intact: fix the cause and --resume" if kept else "no earlier checkpoint")) from None
-    done = sorted(p for p in ckdir.glob("step_*") if p.is_dir() and p != final)
-    for old in done[: max(0, len(done) - (keep_last - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+# ---------------------------------------------------------------------------------------------------- the run
 
 
-def main(argv: list[str]) -> int:
-    flags = {a for a in argv if a in RUN_FLAGS}
-    overrides, config_path, i = [], None, 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--config":
-            config_path, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 1
-        elif a.startswith("--config="):
-            config_path = a.split("=", 1)[1]
-        elif a not in RUN_FLAGS:
-            overrides.append(a)
-        i += 1
-    try:
-        if config_path == "":
-            raise ConfigError("--config needs a file")
-        cfg = load_config(config_path, overrides)
-        validate(cfg)
-        train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
-    except (ConfigError, RunError) as e:  # bad input; any other exception is a bug and keeps its traceback
-        if "--debug" in flags:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+@dataclass
+class Run:
+    """What set-up builds and the loop uses."""
+
+    cfg: Config
+    out: Path
+    rank: int
+    world: int
+    device: torch.device
+    model: torch.nn.Module  # the HF module: generation, no-grad passes, saving (FSDP-sharded in place)
+    policy: torch.nn.Module  # what the training forward goes through: the model, compiled, or DDP-wrapped
+    tokenizer: object
+    ref: torch.nn.Module | None
+    compute: object  # bf16 autocast context, or a null context
+    optimizer: torch.optim.Optimizer
+    replay: object
+    prompts: list  # token ids of each training prompt
+    golds: list
+    eval_prompts: list
+    eval_golds: list
+    stop: list  # token ids that end a completion
+    sharded: bool
+    progress: dict = field(default_factory=lambda: {  # saved in checkpoints; all a resume needs besides the states
+        "step": 0, "data_pos": 0, "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0, "wall": 0.0,
+        "skipped": {"nonfinite": 0, "zero_adv": 0}, "wandb_id": None, "eval_initial": {}, "eval_last": {}})
+    log: object = None  # metrics.jsonl, open for appending (rank 0)
+    lock: object = None  # out_dir/.lock, flock'ed while the run lives (rank 0)
+    wandb: object = None
 
 
-def checked(what: str, load, *args, **kwargs):
-    """Call a loader; a missing or malformed file becomes one RunError line naming `what` (a config key)."""
-    try:
-        return load(*args, **kwargs)
-    except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors and plain values
-        raise RunError(f"{what}: holds objects other than tensors and plain values; refusing to unpickle them") from None
-    except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        raise RunError(f"{what}: {lines[0]}") from None
-
-
-def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Rollouts, *, device: torch.device,
-                  autocast=None, ref_model=None) -> tuple[list[dict], torch.Tensor, list[str | None], dict]:
-    """Step 5 of the loop: `cfg.optim.minibatches` optimizer steps on `batch`, each accumulating micro-batches.
-
-    Returns one metrics dict per optimizer step (loss metrics summed over micro-batches and ranks), each row's mean
-    token entropy (NaN for rows not trained on), why each optimizer step was skipped (None when it was taken), and
-    seconds per phase. Under torchrun `policy` is the DDP module and `batch` this rank's rows: the loss normalisers
-    are totals over all ranks, so the gradient DDP averages (hence `loss * world`) is that of the global batch.
-    Waste avoided, none of it changing the gradient: rows with advantage 0 are not run at all when beta = 0
-    (optim.skip_zero_adv), micro-batches hold rows of similar length, and each prompt is run once for its rows
-    (grpo.completion_logprobs; not under gradient checkpointing, which drops the KV cache this relies on).
-    """
-    distributed = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
-    world = dist.get_world_size() if distributed else 1
-    plain = policy.module if distributed else policy  # no-grad passes need no gradient sync
-    share, T = not cfg.model.gradient_checkpointing, cfg.rollout.temperature
-    autocast = autocast or nullcontext()
-    times = {"prox_logprobs": 0.0, "ref_logprobs": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
-    mask_all, comp_len = batch.completion_mask(), batch.completion_len
-
-    def logprobs(model, mu: Rollouts, with_entropy: bool = False, share_prompt: bool = True):
-        return grpo.completion_logprobs(model, mu.tokens.to(device), mu.prompt_len.to(device), mu.seq_len.to(device), T,
-                                        with_entropy=with_entropy, share_prompt=share_prompt)
-
-    prox_all = None
-    if cfg.optim.minibatches > 1:  # later mini-batches need π at the start of the step: one no-grad pass over all rows
-        t0 = time.time()
-        prox_all = torch.zeros(batch.tokens.shape)
-        for rows in torch.argsort(comp_len).split(cfg.optim.logprob_batch_size):
-            with torch.no_grad(), autocast:
-                lp, _ = logprobs(plain, batch.select(rows), share_prompt=share)
-            prox_all[rows, : lp.shape[1]] = lp.float().cpu()
-        times["prox_logprobs"] += time.time() - t0
-
-    order = torch.randperm(len(batch)) if cfg.optim.minibatches > 1 else torch.arange(len(batch))
-    step_metrics, reasons, row_entropy = [], [], torch.full((len(batch),), float("nan"))
-    for mb_rows in order.tensor_split(cfg.optim.minibatches):  # tensor_split: every rank takes the same number of steps
-        t0 = time.time()
-        # Normalisers are totals over the whole mini-batch (all micro-batches, all ranks), so accumulation
-        # gives the full-batch gradient.
-        counts = torch.tensor([len(mb_rows), float(mask_all[mb_rows].sum()), float((batch.advantage[mb_rows] != 0).any())])
-        if distributed:
-            dist.all_reduce(counts)
-        n_seqs, n_tokens, any_signal = int(counts[0]), int(counts[1]), bool(counts[2] > 0)
-        rows = mb_rows
-        if cfg.optim.skip_zero_adv and cfg.grpo.beta == 0:
-            rows = mb_rows[batch.advantage[mb_rows] != 0]
-            rows = rows if len(rows) else mb_rows[:1]  # one row (gradient exactly 0) keeps this rank in DDP's all-reduce
-        micro = rows[torch.argsort(comp_len[rows], stable=True)].split(cfg.optim.micro_batch_size)
-        optimizer.zero_grad(set_to_none=True)
-        mb_metrics, t_ref = [], 0.0
-        for j, mu_rows in enumerate(micro):
-            mu = batch.select(mu_rows)
-            mask = mu.completion_mask().to(device)
-            prox = prox_all[mu_rows, : mu.tokens.shape[1]].to(device) if prox_all is not None else None
-            ref = None
-            if ref_model is not None:
-                t1 = time.time()
-                with torch.no_grad(), autocast:
-                    ref, _ = logprobs(ref_model, mu)
-                t_ref += time.time() - t1
-            sync = policy.no_sync() if distributed and j < len(micro) - 1 else nullcontext()  # DDP syncs on the last one
-            with sync, autocast:
-                logp, ent = logprobs(policy, mu, with_entropy=True, share_prompt=share)
-                loss, m = grpo.policy_loss(
-                    logp, mu.behav_logp.to(device), mu.advantage.to(device), mask, mu.onpolicy.to(device), cfg.grpo,
-                    n_seqs=n_seqs, n_tokens=n_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
-                    prox_logp=prox, ref_logp=ref, entropy=ent,
-                )
-                if any_signal:
-                    (loss * world).backward()
-            row_entropy[mu_rows] = ((ent.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
-            mb_metrics.append(m)
-        if distributed:  # each rank measured its own rows; the sums in these metrics add up across ranks
-            per_rank = [None] * world
-            dist.all_gather_object(per_rank, mb_metrics)
-            mb_metrics = [m for part in per_rank for m in part]
-        times["ref_logprobs"] += t_ref
-        times["forward_backward"] += time.time() - t0 - t_ref
-
-        t0 = time.time()
-        mb = grpo.combine_metrics(mb_metrics)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf")) if any_signal else torch.tensor(0.0)
-        reason = skip_reason(any_signal, mb["loss"], grad_norm)  # all-zero advantages, or a NaN/inf loss or gradient
-        if reason is None:
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_metrics.append({**mb, "grad_norm": float(grad_norm)})
-        reasons.append(reason)
-        times["optimizer"] += time.time() - t0
-    return step_metrics, row_entropy, reasons, times
-
-
-def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
-    # ---------------------------------------------------------------- setup
-    t_start, wall_offset = time.time(), 0.0
-    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:  # torchrun: one process per device; rank 0 alone evaluates, the others wait at a barrier meanwhile
+def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
+    """Check everything, load data and model, restore a checkpoint, and only then claim out_dir."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(hours=2))
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    master = rank == 0
-    out = Path(cfg.out_dir)
-    ckpt_dir = out / "checkpoints"
-    latest = ckpt_dir / "latest"
-    if resume and not latest.is_file():
-        raise RunError(f"--resume: no complete checkpoint in {ckpt_dir} (pass --overwrite instead to start over)")
-    if master:  # nothing is deleted here: --overwrite clears out_dir only once every input has loaded
-        try:
-            if out.exists() and any(out.iterdir()) and not (resume or overwrite):
-                raise RunError(f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over")
-            out.mkdir(parents=True, exist_ok=True)
-            probe = out / f".write_test_{os.getpid()}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
-            raise RunError(f"out_dir {out} is not writable: {e.strerror}") from None
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed + rank)  # ranks sample different completions
-
-    train_problems, eval_problems = checked("data", load_train_eval, cfg)  # before the model: a bad file fails fast
-    if not train_problems:
-        raise RunError(f"data.train {cfg.data.train!r} holds no problems")
-
-    if cfg.model.device == "auto":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(cfg.model.device)
-    model_path = cfg.model.path
-    hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/", "~")) and not Path(model_path).parent.is_dir()
-    if not Path(model_path).exists() and not hub_id:
-        raise RunError(f"model.path {model_path} does not exist (a local folder or an org/name hub id)")
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    # Safe loading: code shipped in the model folder runs only if the config says so; weights load from safetensors
-    # (transformers falls back to torch.load with weights_only=True for .bin files).
-    load = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": dtype}
-    tokenizer = checked(f"model.path {model_path}", AutoTokenizer.from_pretrained, model_path, trust_remote_code=cfg.model.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = checked(f"model.path {model_path}", AutoModelForCausalLM.from_pretrained, model_path, **load).to(device)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-        model.train()  # HF checkpoints only in training mode; from_pretrained returns eval mode (dropout of LLMs is 0)
-    ref_model = None
-    if cfg.grpo.beta > 0:  # the frozen reference costs a full model copy: only load it when the KL term is on
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).to(device).eval().requires_grad_(False)
-    gen_model = model  # generation always runs on the plain module
-    fwd_model = torch.compile(model) if cfg.model.compile else model
-    if distributed:
-        fwd_model = torch.nn.parallel.DistributedDataParallel(fwd_model, device_ids=[device.index] if device.type == "cuda" else None)
-        fwd_model.broadcast_buffers = False  # buffers never change: forwards need no collective, ranks may run different counts
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.model.autocast else nullcontext()
-
-    prompts_all = [format_prompt(tokenizer, p.problem, cfg.data.template) for p in train_problems]
-    n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    out, n_prompts = Path(cfg.out_dir), cfg.rollout.batch_size // cfg.rollout.group_size
+    check_out_dir(out, resume, overwrite)
     if n_prompts % world:
         raise RunError(f"prompts per step ({n_prompts}) must be divisible by the number of processes ({world})")
-    G = cfg.rollout.group_size
-    max_len = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts_all) + cfg.rollout.max_new_tokens
+    ck, state = find_checkpoint(out, resume, rank) if resume is not None else (None, {})
+    if rank == 0 and ck is not None:
+        changed = check_resume_config(cfg, state["run"]["config"], state["run"]["step"])
+        print(f"resuming from {ck} (step {state['run']['step']})" + (f"; changed: {', '.join(changed)}" * bool(changed)),
+              file=sys.stderr)
+    torch.set_num_threads(cfg.threads) if cfg.threads else None
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed + rank)  # ranks sample differently
+    try:  # data before the model: a bad file fails fast
+        problems, eval_problems = load_task(cfg.data, cfg.eval.n)
+    except (ValueError, TypeError, OSError, ImportError) as e:
+        raise RunError(f"data: {' '.join(str(e).split())[:300]}") from None
+    path = str(ck) if ck is not None else cfg.model.path
+    if not Path(path).exists() and (path.count("/") != 1 or path.startswith((".", "/", "~")) or Path(path).parent.is_dir()):
+        raise RunError(f"model.path {path} does not exist (a local folder or an org/name hub id)")
+    device = torch.device(cfg.model.device if cfg.model.device != "auto" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+                          if torch.cuda.is_available() else "cpu")
+    try:
+        model, policy, tokenizer, ref, compute = load_policy(cfg, path, device, world)
+    except Exception as e:  # noqa: BLE001 -- a missing, corrupt or foreign model folder is one line
+        raise RunError(f"{'checkpoint' if ck else 'model.path'} {path}: {type(e).__name__}: "
+                       f"{' '.join(str(e).split())[:300]}") from None
+    try:
+        stop = end_ids(tokenizer, model, cfg.data.chat_template, cfg.rollout.stop_tokens)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    limit = cfg.data.max_prompt_tokens or context - cfg.rollout.max_new_tokens
+    if limit <= 0:
+        raise RunError(f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) leaves no room for a prompt in the "
+                       f"model's {context} positions")
+    prompts, problems, dropped = build_prompts(tokenizer, problems, cfg.data, limit)
+    eval_prompts, eval_problems, eval_dropped = build_prompts(tokenizer, eval_problems, cfg.data, limit)
+    if not prompts or not eval_prompts:
+        raise RunError(f"every {'training' if not prompts else 'eval'} prompt is over {limit} tokens (data.max_prompt_tokens)")
+    if rank == 0 and dropped + eval_dropped:
+        print(f"note: dropped {dropped} training and {eval_dropped} eval prompts over {limit} tokens", file=sys.stderr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                  weight_decay=cfg.optim.weight_decay)
+    replay = make_replay(cfg.replay, max_len=max(map(len, prompts)) + cfg.rollout.max_new_tokens,
+                         pad_id=tokenizer.pad_token_id, seed=cfg.seed + rank)
+    r = Run(cfg, out, rank, world, device, model, policy, tokenizer, ref, compute, optimizer, replay, prompts,
+            [p.answer for p in problems], eval_prompts, [p.answer for p in eval_problems], stop,
+            sharded=any(isinstance(m, FSDPModule) for m in model.modules()))
+    try:
+        r.progress["source_tokens"] = replay.start(problems, prompts, tokenizer, cfg)
+    except (ValueError, OSError) as e:
+        raise RunError(f"replay: {' '.join(str(e).split())[:300]}") from None
+    if ck is not None:
+        restore(r, ck, state)
+        r.progress |= {k: v for k, v in state["run"].items() if k != "config"}
+    if rank == 0:
+        r.lock = claim_out_dir(out, overwrite)
+        r.log = open_log(r, ck is not None)
+    dist.barrier() if dist.is_initialized() else None
+    return r
 
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
-    )
-    warmup = max(1, cfg.optim.warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    replay = make_replay(cfg.replay, max_len=max_len, pad_id=tokenizer.pad_token_id, seed=cfg.seed + rank)
-    if cfg.replay.strategy == "rlep" and cfg.replay.rlep_source:
-        replay.load_rlep_solutions(checked("replay.rlep_source", rlep_solutions, cfg, tokenizer, train_problems, prompts_all))
 
-    # Run state beyond the weights. The prompt order is a pure function of `data_pos` (prompt_order), so the
-    # position is all a resume needs to continue the data stream exactly.
-    start_step, data_pos, generated_tokens, skipped, wandb_id, history = 0, 0, 0, {"nonfinite": 0, "zero_adv": 0}, None, {}
-    if resume:
-        ck = ckpt_dir / latest.read_text().strip()
-        state = checked(f"checkpoint {ck}", torch.load, ck / "trainer_state.pt", weights_only=True)  # tensors and plain types only
-        changed = sorted(k for k, v in _flat(to_dict(cfg)).items() if _flat(state["config"]).get(k) != v)
-        if changed and master:
-            print(f"note: resuming with changed config keys: {', '.join(changed)}", file=sys.stderr)
-        model.load_state_dict(checked(f"checkpoint {ck}", AutoModelForCausalLM.from_pretrained, ck, **load).state_dict())
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        checked(f"checkpoint {ck} (replay buffer)", replay.load_state_dict, state["replay"])
-        set_rng_state(state["rng"])
-        if distributed:  # each rank continues its own replay buffer and random streams
-            if len(state.get("ranks") or []) != world:
-                raise RunError(f"checkpoint {ck} was written by {len(state.get('ranks') or [1])} processes; resume it with as many")
-            checked(f"checkpoint {ck} (replay buffer)", replay.load_state_dict, state["ranks"][rank]["replay"])
-            set_rng_state(state["ranks"][rank]["rng"])
-        if master:
-            print(f"resuming from {ck} (step {state['step']})", file=sys.stderr)
-        start_step, data_pos, generated_tokens, skipped, wandb_id, history = (
-            state["step"], state["data_position"], state["generated_tokens"], state["skipped"], state["wandb_id"], state["history"]
-        )
-        wall_offset = history.get("wall_before", 0.0)
-        if master:  # drop log lines written after the checkpoint (they will be produced again) and a line cut by the kill
-            metrics_path, kept = out / "metrics.jsonl", []
-            for ln in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
-                try:
-                    if json.loads(ln)["step"] <= start_step:
-                        kept.append(ln + "\n")
-                except (ValueError, KeyError, TypeError):
-                    pass
-            metrics_path.with_suffix(".tmp").write_text("".join(kept))
-            os.replace(metrics_path.with_suffix(".tmp"), metrics_path)
-    elif master and overwrite:  # every input has loaded: only now is the old run worth giving up
-        for p in out.iterdir():
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
+def open_log(r: Run, resumed: bool):
+    """config.yaml, metrics.jsonl (cut back to the checkpoint's step on resume) and the wandb run, on rank 0."""
+    path = r.out / "metrics.jsonl"
+    if resumed:  # lines after the checkpoint will be written again; a line cut by a kill is dropped
+        keep = []
+        for ln in path.read_text().splitlines() if path.exists() else []:
+            try:
+                keep += [ln + "\n"] if json.loads(ln)["step"] <= r.progress["step"] else []
+            except (ValueError, KeyError, TypeError):
+                pass
+        write_file(path, "".join(keep))
+    write_file(r.out / "config.yaml", "")
+    save_config(r.cfg, r.out / "config.yaml")
+    if r.cfg.wandb.mode != "disabled":
+        import wandb
 
-    run = None
-    if master:
-        save_config(cfg, out / "config.yaml")
-        if cfg.wandb.mode != "disabled":
-            import wandb
+        w = r.cfg.wandb
+        r.wandb = wandb.init(project=w.project, group=w.group or None, name=w.name or f"{r.cfg.replay.strategy}-s{r.cfg.seed}",
+                             tags=[r.cfg.replay.strategy], config=flat_dict(r.cfg), dir=str(r.out), mode=w.mode,
+                             id=r.progress["wandb_id"], resume="allow" if r.progress["wandb_id"] else None)
+        r.progress["wandb_id"] = r.wandb.id
+    return open(path, "a")  # noqa: SIM115 -- closed by finish()
 
-            run = wandb.init(
-                project=cfg.wandb.project,
-                group=cfg.wandb.group or None,
-                name=cfg.wandb.name or f"{cfg.replay.strategy}-s{cfg.seed}",
-                tags=[cfg.replay.strategy],
-                config=to_dict(cfg),
-                dir=str(out),
-                mode=cfg.wandb.mode,
-                id=wandb_id,
-                resume="allow" if wandb_id else None,
-            )
-            wandb_id = run.id
-    metrics_file = open(out / "metrics.jsonl", "a") if master else None  # noqa: SIM115 (open for the whole run, closed at the end)
 
-    def run_eval() -> dict:
-        # Eval draws from its own fixed seed so that how often we evaluate never changes training randomness.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(cfg.seed)
-            return evaluate(
-                gen_model, tokenizer, eval_problems, k=cfg.eval.k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, batch_size=cfg.rollout.gen_batch_size,
-                template=cfg.data.template, reward_cfg=cfg.reward,
-            )
+def run_eval(r: Run) -> dict:
+    """Held-out eval: each rank samples its share of the prompts from its own fixed seed (so how often we evaluate
+    never changes training randomness); every rank gets the summary over all of them."""
+    e = r.cfg.eval
+    sampling = replace(r.cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p, top_k=0,
+                       max_new_tokens=e.max_new_tokens or r.cfg.rollout.max_new_tokens)
+    with torch.random.fork_rng(devices=[r.device] if r.device.type == "cuda" else []), full_weights(r.model, r.compute):
+        torch.manual_seed(r.cfg.seed + r.rank)
+        records = evaluate(r.model, r.tokenizer, r.eval_prompts[r.rank :: r.world], r.eval_golds[r.rank :: r.world],
+                           sampling, r.cfg.reward, r.stop)
+    if dist.is_initialized():
+        parts = [None] * r.world
+        dist.all_gather_object(parts, records)
+        records = [x for part in parts for x in part]
+    return summarize(records)
 
-    if start_step == 0 and master:
-        history["eval_initial"] = run_eval()
-    if distributed:
-        dist.barrier()
 
-    # ---------------------------------------------------------------- training loop
-    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=not master, dynamic_ncols=True)
-    last_eval = history.get("eval_last", history.get("eval_initial", {})).get("accuracy", float("nan"))
+# ---------------------------------------------------------------------------------------------- training loop
+
+
+def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
+    """Set up, run the loop, finish; returns the exit code (0, or 143 / 130 after SIGTERM / SIGINT)."""
+    r = setup(cfg, resume, overwrite)
+    try:
+        return finish(r, loop(r))
+    except BaseException as e:
+        if r.rank == 0 and (r.out / ".overwritten").is_dir():  # failed before its first step: the old run comes back
+            restore_overwritten(r.out)
+        if isinstance(e, FloatingPointError):
+            last = checkpoints(r.out)
+            raise RunError(f"{e} at step {r.progress['step'] + 1} (optim.lr too high?); the last good checkpoint is "
+                           + (f"{last[-1].name}: --resume={last[-1].name} with a lower lr" if last else "none")) from None
+        raise
+    finally:
+        for f in (r.log, r.lock):
+            f.close() if f is not None else None
+        dist.destroy_process_group() if dist.is_initialized() else None
+
+
+def loop(r: Run) -> int:
+    """Generation steps until max_steps or a stop signal; returns the signal number (0 = ran to the end)."""
+    cfg, p, G = r.cfg, r.progress, r.cfg.rollout.group_size
+    n_prompts, signals, t_run = cfg.rollout.batch_size // G, StopSignal(), time.time() - p["wall"]
+    if p["step"] == 0:
+        p["eval_initial"] = p["eval_last"] = run_eval(r)
+    bar = tqdm(range(p["step"], cfg.max_steps), initial=p["step"], total=cfg.max_steps, disable=r.rank != 0)
     for step in bar:
-        t = {}
-        t_step = t0 = time.time()
-
-        # 1. Rollout: this rank's share of the step's prompts, G samples each.
-        idx = prompt_order(len(train_problems), data_pos, n_prompts, cfg.seed)[rank::world]
-        data_pos += n_prompts
-        fresh, texts = generate(
-            gen_model, tokenizer, [prompts_all[i] for i in idx], G, max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, batch_size=cfg.rollout.gen_batch_size,
-            prompt_idx=idx, step=step,
-        )
-        new_tokens = int(fresh.completion_len.sum())
-        if distributed:
-            new_tokens = int(all_reduce(torch.tensor(float(new_tokens))))
-        generated_tokens += new_tokens
-        t["generate"] = time.time() - t0
-
-        # 2. Reward: verify each completion against its gold answer.
-        t0 = time.time()
-        rewards, correct, reward_metrics = score_batch(texts, [train_problems[i].answer for i in idx for _ in range(G)], cfg.reward)
-        fresh.reward = torch.tensor(rewards, dtype=torch.float32)
-        fresh.correct = torch.tensor(correct, dtype=torch.bool)
-        t["reward"] = time.time() - t0
-
-        # 3. Advantages within each group (RLEP first appends stored successes of the same prompt to each group).
-        t0 = time.time()
-        fresh = replay.before_advantages(fresh, step)
-        fresh.advantage, adv_metrics = grpo.group_advantages(fresh.reward, fresh.group, cfg.grpo.adv_scale, cfg.grpo.adv_eps)
-        t["advantage"] = time.time() - t0
-
-        # 4. Replay: add stored rollouts to this update (strategy from config; `none` adds nothing).
-        t0 = time.time()
-        replayed = replay.sample(fresh, step)
-        batch = fresh if replayed is None else Rollouts.cat([fresh, replayed], tokenizer.pad_token_id)
-        t["replay_sample"] = time.time() - t0
-
-        # 5. Update: mini-batches (optimizer steps) × micro-batches (gradient accumulation); see update_policy.
-        step_metrics, batch.entropy, reasons, times = update_policy(
-            cfg, fwd_model, optimizer, scheduler, batch, device=device, autocast=autocast, ref_model=ref_model
-        )
-        for reason in filter(None, reasons):
-            skipped[reason] += 1
-        t.update(times)
-
-        # 6. Replay push: the fresh rows (with rewards, advantages, behaviour log-probs and entropy) go in.
-        t0 = time.time()
-        replay.push(batch.select(~batch.replayed), step)
-        t["replay_push"] = time.time() - t0
-
-        # 7. Log: one line per step; loss metrics combined over micro-batches (and ranks), averaged over mini-batches.
-        is_fresh = ~batch.replayed
-        batch_stats = {
-            "reward_mean": float(batch.reward[is_fresh].mean()),
-            "correct_mean": float(batch.correct[is_fresh].float().mean()),
-            "response_len": float(batch.completion_len[is_fresh].float().mean()),
-            "truncated_frac": float(batch.truncated[is_fresh].float().mean()),
-            **adv_metrics,
-            **reward_metrics,
-            **replay.metrics(),
-            "replay/rows": int(batch.replayed.sum()),
-            "replay/token_share": float(batch.completion_len[batch.replayed].sum() / batch.completion_len.sum().clamp(min=1)),
-        }
-        if distributed:
-            batch_stats = over_ranks(batch_stats, world)
-        t["other"] = time.time() - t_step - sum(t.values())  # bookkeeping between the phases
-        row = {
-            "step": step + 1,
-            "generated_tokens": generated_tokens,
-            **batch_stats,
-            **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
-            "skipped/zero_adv": skipped["zero_adv"],
-            "skipped/nonfinite": skipped["nonfinite"],
-            "lr": scheduler.get_last_lr()[0],
-            **{f"time/{k}": v for k, v in t.items()},
-            "time/step": time.time() - t_step,
-        }
-
-        # 8. Eval every N steps and at the end.
+        t, at_start = {}, (rng_state(), p["data_pos"])
+        with timed(t, "generate"):  # 1. Rollout: this rank's share of the step's prompts, G samples each
+            idx = prompt_order(len(r.prompts), p["data_pos"], n_prompts, cfg.seed)[r.rank :: r.world]
+            p["data_pos"] += n_prompts
+            with full_weights(r.model, r.compute):
+                fresh, texts = generate(r.model, r.tokenizer, [r.prompts[i] for i in idx], cfg.rollout, r.stop, idx, step)
+        with timed(t, "reward"):  # 2. Reward: verify each completion (plus DAPO's overlong shaping when on)
+            golds = [r.golds[i] for i in idx for _ in range(G)]
+            rewards, correct, reward_metrics = score_batch(texts, golds, cfg.reward)
+            fresh.reward = torch.tensor(rewards) + overlong_penalty(fresh.completion_len, cfg.rollout.max_new_tokens,
+                                                                    cfg.reward)
+            fresh.correct = torch.tensor(correct)
+        if signals.agreed():  # stop before anything of this step is kept: a checkpoint now is the step's start
+            set_rng_state(at_start[0])
+            p["data_pos"] = at_start[1]
+            break
+        with timed(t, "advantage"):  # 3. Advantages within each group (RLEP first appends stored successes)
+            fresh = r.replay.before_advantages(fresh, step)
+            fresh.advantage, adv_metrics = grpo.group_advantages(fresh.reward, fresh.group, cfg.grpo.adv_scale,
+                                                                 cfg.grpo.adv_eps)
+        with timed(t, "replay_sample"):  # 4. Replay: stored rollouts join this update (`none` adds nothing)
+            replayed = r.replay.sample(fresh, step)
+            batch = fresh if replayed is None else Rollouts.cat([fresh, replayed], r.tokenizer.pad_token_id)
+        for group in r.optimizer.param_groups:  # the schedule counts generation steps, whatever optim.minibatches is
+            group["lr"] = lr_at(step, cfg)
+        # 5. Update: optim.minibatches optimizer steps, each over micro-batches (grpo.update_policy).
+        update, _, reasons, times = grpo.update_policy(cfg, r.model, r.policy, r.optimizer, batch, r.device, r.compute,
+                                                       r.ref)
+        t |= times
+        with timed(t, "replay_push"):  # 6. Replay push: fresh rows, with rewards, advantages and log-probs
+            r.replay.push(batch.select(~batch.replayed), step)
+        # 7. Log one line; 8. eval every eval.every steps and at the end; 9. checkpoint every checkpoint.every steps.
+        row = log_row(r, step, fresh, batch, update, reasons, {**adv_metrics, **reward_metrics, **r.replay.metrics()}, t)
         if (cfg.eval.every and (step + 1) % cfg.eval.every == 0) or step + 1 == cfg.max_steps:
-            if master:
-                t0 = time.time()
-                ev = run_eval()
-                history["eval_last"] = ev
-                last_eval = ev["accuracy"]
-                row.update({f"eval/{k}": v for k, v in ev.items()})
-                row["time/eval"] = time.time() - t0
-            if distributed:
-                dist.barrier()
-        row["wall_seconds"] = time.time() - t_start + wall_offset  # a resumed run continues its clock
-        if master:
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            if run:
-                run.log(row, step=step + 1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", eval=f"{last_eval:.3f}")
-
-        # 9. Checkpoint: everything needed to continue this exact run (under torchrun, every rank's buffer and RNG too).
-        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.max_steps:
-            ranks = [None] * world if master and distributed else None
-            if distributed:
-                dist.gather_object({"replay": replay.state_dict(), "rng": rng_state()}, ranks, dst=0)
-            if master:
-                history["wall_before"] = row["wall_seconds"]
-                state = {"step": step + 1, "data_position": data_pos, "generated_tokens": generated_tokens, "skipped": skipped,
-                         "wandb_id": wandb_id, "history": history, "config": to_dict(cfg), "ranks": ranks}
-                save_checkpoint(out, step + 1, model, tokenizer, optimizer, scheduler, replay, state, cfg.checkpoint.keep_last)
-
-    # ---------------------------------------------------------------- finish
-    summary = {}
-    if master:
-        model.save_pretrained(out / "final")
-        tokenizer.save_pretrained(out / "final")
-        last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]) if cfg.max_steps else {}
-        ev0, ev1 = history.get("eval_initial", {}), history.get("eval_last", history.get("eval_initial", {}))
-        summary = {
-            "strategy": cfg.replay.strategy,
-            "seed": cfg.seed,
-            "steps": cfg.max_steps,
-            "eval_accuracy_initial": ev0.get("accuracy"),
-            "eval_accuracy_final": ev1.get("accuracy"),
-            "eval_response_len_final": ev1.get("response_len"),
-            "generated_tokens": generated_tokens,
-            "wall_seconds": last.get("wall_seconds", time.time() - t_start),
-            "entropy_final": last.get("entropy"),
-            "skipped_updates": skipped,
-        }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        metrics_file.close()
-        if run:
-            run.summary.update(summary)
-            run.finish()
-    if distributed:
-        dist.destroy_process_group()
-    return summary
+            with timed(t, "eval"):
+                p["eval_last"] = run_eval(r)
+            row |= {f"eval/{k}": v for k, v in p["eval_last"].items()} | {"time/eval": t["eval"]}
+        p["step"], p["wall"] = step + 1, time.time() - t_run
+        write_row(r, row | {"wall_seconds": p["wall"]})
+        if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.max_steps):
+            save_checkpoint(r)
+        if r.rank == 0 and (r.out / ".overwritten").is_dir():  # the new run has a step: the old one can go
+            shutil.rmtree(r.out / ".overwritten")
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", eval=f"{p['eval_last'].get('accuracy', math.nan):.3f}")
+        if signals.agreed():
+            break
+    return signals.signum
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x)
-    return x
+def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, reasons: list, local: dict,
+            t: dict) -> dict:
+    """One metrics line: fresh-row statistics over every rank, the update's metrics, this rank's own metrics
+    (advantages, verifier, replay buffer) averaged over ranks, phase times."""
+    p, n = r.progress, fresh.completion_len.double()
+    s = all_ranks(torch.stack([n.sum(), torch.tensor(len(fresh)), fresh.reward.double().sum(), fresh.correct.sum(),
+                               fresh.truncated.sum(), (fresh.entropy.double() * n).sum(), batch.replayed.sum(),
+                               batch.completion_len[batch.replayed].sum(), batch.completion_len.sum()]).double())
+    keys = sorted(local)
+    local = dict(zip(keys, (all_ranks(torch.tensor([float(local[k]) for k in keys])) / r.world).tolist())) if keys else {}
+    p["generated_tokens"] += int(s[0])
+    p["trained_tokens"] += int(update["tokens"])
+    for reason in filter(None, reasons):
+        p["skipped"][reason] += 1
+    return {"step": step + 1, "generated_tokens": p["generated_tokens"],
+            "tokens/generated_total": p["generated_tokens"] + p["source_tokens"], "tokens/trained": p["trained_tokens"],
+            "reward_mean": (s[2] / s[1]).item(), "correct_mean": (s[3] / s[1]).item(), "response_len": (s[0] / s[1]).item(),
+            "truncated_frac": (s[4] / s[1]).item(), "entropy/fresh": (s[5] / s[0].clamp(min=1)).item(),
+            "replay/rows": int(s[6]), "replay/token_share": (s[7] / s[8].clamp(min=1)).item(),
+            **{k: v for k, v in update.items() if k != "tokens"}, **local,
+            **{f"skipped/{k}": v for k, v in p["skipped"].items()}, "lr": r.optimizer.param_groups[0]["lr"],
+            **{f"time/{k}": v for k, v in t.items()}, "time/step": sum(t.values())}
 
 
-def over_ranks(stats: dict, world: int) -> dict:
-    """Batch statistics of every rank's shard combined: counts (replay/rows, adv/groups) add up, the rest are means
-    over ranks (exact for the fresh-row means: every rank holds as many fresh rows). replay/* describe the mean buffer."""
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, stats)
-    keys = [k for k in stats if all(k in s for s in per_rank)]
-    return {k: (sum if k in ("replay/rows", "adv/groups") else np.mean)([s[k] for s in per_rank]) for k in keys}
+def write_row(r: Run, row: dict) -> None:
+    if r.rank != 0:
+        return
+    try:
+        r.log.write(json.dumps(row) + "\n")
+        r.log.flush()
+    except OSError as e:
+        raise RunError(f"{r.out / 'metrics.jsonl'} could not be written ({e.strerror}); checkpoints are intact") from None
+    r.wandb.log(row, step=row["step"]) if r.wandb else None
 
 
-def rlep_solutions(cfg: Config, tokenizer, problems, prompts_all) -> Rollouts:
-    """RLEP phase I from a JSONL of verified solutions: {"prompt_idx": i | "problem": text, "completion": text}."""
-    by_problem = {p.problem: i for i, p in enumerate(problems)}
-    idx, completions = [], []
-    for lineno, r in enumerate(read_jsonl(cfg.replay.rlep_source), 1):
-        i = r.get("prompt_idx", by_problem.get(r.get("problem")))
-        if not isinstance(i, int) or not 0 <= i < len(problems) or not isinstance(r.get("completion"), str):
-            raise RunError(f"{cfg.replay.rlep_source}: row {lineno} needs a known prompt_idx or problem, and a completion")
-        idx.append(i)
-        completions.append(r["completion"])
-    if not idx:
-        raise RunError(f"replay.rlep_source {cfg.replay.rlep_source} holds no solutions")
-    ro = rollouts_from_texts(tokenizer, [prompts_all[i] for i in idx], completions, idx, cfg.rollout.max_new_tokens)
-    ro.reward = torch.full((len(idx),), cfg.reward.correct)
-    ro.correct = torch.ones(len(idx), dtype=torch.bool)
-    return ro
+def finish(r: Run, signum: int) -> int:
+    """After the loop: on SIGTERM a checkpoint, on SIGINT a note; otherwise final/ and summary.json."""
+    p, last = r.progress, checkpoints(r.out)
+    if signum == signal.SIGTERM and not (last and last[-1].name == f"step_{p['step']:06d}"):
+        save_checkpoint(r)
+    if signum:
+        last = checkpoints(r.out)
+        where = f"--resume continues from {last[-1].name}" if last else "no checkpoint yet: rerun with --overwrite"
+        print(f"\nstopped by {signal.Signals(signum).name} after step {p['step']}; {where}", file=sys.stderr)
+        return 128 + signum
+    save_model(r.model, r.tokenizer, r.out / "final")
+    if r.rank == 0:
+        ev0, ev1 = p["eval_initial"], p["eval_last"]
+        summary = {"strategy": r.cfg.replay.strategy, "seed": r.cfg.seed, "steps": r.cfg.max_steps,
+                   "eval_accuracy_initial": ev0.get("accuracy"), "eval_accuracy_final": ev1.get("accuracy"),
+                   "eval_response_len_final": ev1.get("response_len"), "eval_entropy_final": ev1.get("entropy"),
+                   "generated_tokens": p["generated_tokens"], "tokens_generated_total": p["generated_tokens"] + p["source_tokens"],
+                   "tokens_trained": p["trained_tokens"], "wall_seconds": p["wall"], "skipped_updates": p["skipped"]}
+        write_file(r.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        if (r.out / ".overwritten").is_dir():  # a run of 0 steps: finished now
+            shutil.rmtree(r.out / ".overwritten")
+        if r.wandb:
+            r.wandb.summary.update(summary)
+            r.wandb.finish()
+    return 0
 
 
 if __name__ == "__main__":

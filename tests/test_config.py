@@ -1,5 +1,6 @@
 """The typed config: YAML overlays, dotted overrides, and errors that name the key."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,19 +49,87 @@ def test_wrong_type_in_yaml_and_missing_file(tmp_path):
         load_config(str(tmp_path / "nope.yaml"), [])
 
 
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("--rollout.group_size=1", "group_size must be ≥ 2"),
-        ("--rollout.batch_size=100", "multiple of rollout.group_size"),
-        ("--rollout.max_new_tokens=0", "max_new_tokens must be > 0"),
-        ("--optim.lr=-1e-3", "optim.lr must be > 0"),
-        ("--replay.tau_max=0", "tau_max must be ≥ 1"),
-    ],
-)
+# Every setting that would crash later or be silently reinterpreted: one message naming the key, from validate
+# itself (which never raises anything else, whatever the values).
+BAD_SETTINGS = [
+    ("--rollout.group_size=1", "rollout.group_size must be ≥ 2"),
+    ("--rollout.group_size=0", "rollout.group_size must be ≥ 2"),
+    ("--rollout.batch_size=100", "multiple of rollout.group_size"),
+    ("--rollout.max_new_tokens=0", "rollout.max_new_tokens must be > 0"),
+    ("--rollout.gen_batch_size=0", "rollout.gen_batch_size must be > 0"),
+    ("--rollout.temperature=nan", "rollout.temperature must be > 0"),
+    ("--rollout.top_k=-1", "rollout.top_k must be ≥ 0"),
+    ("--optim.lr=-1e-3", "optim.lr must be in (0, 1]"),
+    ("--optim.lr=inf", "optim.lr must be in (0, 1]"),
+    ("--optim.lr=1e30", "optim.lr must be in (0, 1]"),
+    ("--optim.minibatches=0", "optim.minibatches must be ≥ 1"),
+    ("--optim.minibatches=3", "optim.minibatches (3) must divide the prompts per step (32)"),
+    ("--optim.schedule=linear", "optim.schedule must be constant or cosine"),
+    ("--threads=-1", "threads must be ≥ 0"),
+    ("--seed=-1", "seed must be ≥ 0"),
+    ("--max_steps=-5", "max_steps must be ≥ 0"),
+    ("--out_dir=", "out_dir must not be empty"),
+    ("--data.template=Solve {question}", "data.template must contain {problem}"),
+    ("--data.tiny_train_size=0", "data.tiny_train_size must be ≥ 1"),
+    ("--checkpoint.every=-1", "checkpoint.every must be ≥ 0"),
+    ("--checkpoint.keep_last=0", "checkpoint.keep_last must be ≥ 1"),
+    ("--eval.k=0", "eval.k must be ≥ 1"),
+    ("--reward.timeout=0", "reward.timeout must be > 0"),
+    ("--reward.timeout=-1", "reward.timeout must be > 0"),
+    ("--reward.workers=0", "reward.workers must be ≥ 1"),
+    ("--model.compute_dtype=float16", "model.compute_dtype must be float32 or bfloat16"),
+    ("--model.parallel=zero3", "model.parallel must be ddp or fsdp"),
+    ("--grpo.loss_agg=mean", "grpo.loss_agg must be grpo, dapo or dr_grpo"),
+    ("--grpo.dual_clip=0.5", "grpo.dual_clip must be 0 (off) or > 1"),
+    ("--wandb.mode=cloud", "wandb.mode must be disabled, offline or online"),
+    ("--replay.strategy=fifo", "replay.strategy must be one of"),
+    ("--replay.capacity=0", "replay.capacity must be ≥ 1"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_SETTINGS, ids=[b[0] for b in BAD_SETTINGS])
 def test_validate(override, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         validate(load_config(None, [override]))
+
+
+def test_strategy_keys_are_checked_by_the_strategy():
+    with pytest.raises(ConfigError, match=re.escape("replay.tau_max must be ≥ 1")):
+        validate(load_config(None, ["--replay.strategy=aper", "--replay.tau_max=0"]))
+    validate(load_config(None, ["--replay.tau_max=0"]))  # none does not read tau_max
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
+def test_cuda_without_a_gpu():
+    with pytest.raises(ConfigError, match="model.device=cuda but no GPU is visible"):
+        validate(load_config(None, ["--model.device=cuda"]))
+
+
+def test_removed_keys_say_what_replaced_them():
+    with pytest.raises(ConfigError, match="model.dtype was removed: master weights are always float32"):
+        load_config(None, ["--model.dtype=bfloat16"])
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"seed: 1\nbase: [a.yaml, b.yaml]\n", "base must be one file name"),
+    (b"seed: \xff\xfe1\n", "is not UTF-8 text"),
+    (b"- 1\n- 2\n", "must hold a mapping of keys"),
+    (b"seed: [1\n", "is not valid YAML"),
+])
+def test_bad_config_files(tmp_path, content, message):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(f), [])
+
+
+def test_yaml_alias_bomb_gives_a_short_message(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    f = tmp_path / "bomb.yaml"
+    f.write_text("\n".join(lines) + "\nseed: *a8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f), [])
+    assert len(str(e.value)) < 300
 
 
 def test_every_shipped_config_resolves():

@@ -25,13 +25,15 @@ def test_readme_command_two_steps(tmp_path):
     run_train(out, "--max_steps=2", *SMALL)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("generated_tokens", "reward_mean", "entropy", "response_len", "time/generate", "time/forward_backward",
-                "clip_low", "approx_kl", "is_weight_min", "adv/zero_std_frac"):
+    for key in ("generated_tokens", "tokens/generated_total", "tokens/trained", "reward_mean", "entropy", "entropy/fresh",
+                "response_len", "time/generate", "time/forward_backward", "clip_low", "approx_kl", "is_weight_min",
+                "adv/zero_std_frac"):
         assert key in rows[0], key
     assert rows[1]["generated_tokens"] > rows[0]["generated_tokens"] > 0
     assert "eval/accuracy" in rows[-1]
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("eval_accuracy_initial", "eval_accuracy_final", "generated_tokens", "steps", "wall_seconds", "entropy_final"):
+    for key in ("eval_accuracy_initial", "eval_accuracy_final", "generated_tokens", "steps", "wall_seconds",
+                "eval_entropy_final", "tokens_trained"):
         assert summary[key] is not None, key
     assert (out / "config.yaml").exists()
     assert list((out / "wandb").glob("offline-run-*")), "an offline wandb run is written"
