@@ -1,7 +1,8 @@
-"""rewards.py: hand examples, extraction, the reward and its metrics, agreement with math-verify's own test cases,
-MATH-500 / GSM8K gold-vs-solution checks, cross-problem false positives, hostile inputs (bounded time, nothing
-executed), the worker timeout (kill, replace, reap) and a cheap import. Shared data: $SHARED_DATA_DIR or
-../shared/data; the tests that need it are skipped with a message when it is missing."""
+"""rewards.py: hand examples, extraction, the reward and its metrics, config
+checks, agreement with math-verify's own test cases, MATH-500 / GSM8K gold-vs-solution checks, cross-problem false
+positives, hostile inputs (bounded time, nothing executed), the worker timeout (kill, replace, reap), the per-batch
+budget and a cheap import. Shared data: $SHARED_DATA_DIR or ../shared/data; the tests that need it are skipped with a
+message when it is missing."""
 
 import builtins
 import json
@@ -83,16 +84,24 @@ def test_extraction():
 
 def test_reward_values_and_metrics():
     cfg = R.RewardConfig(correct=1.0, wrong=-0.5, no_answer=-1.0, format_bonus=0.1)
-    assert R.math_reward("\\boxed{4}", "4", cfg) == pytest.approx(1.1)
-    assert R.math_reward("\\boxed{5}", "4", cfg) == pytest.approx(-0.4)
-    assert R.math_reward("The answer is 4.", "4", cfg) == pytest.approx(1.0)  # no box, no bonus
-    assert R.math_reward("no idea", "4", cfg) == pytest.approx(-1.0)
+    rewards, _, _ = R.score_batch(["\\boxed{4}", "\\boxed{5}", "The answer is 4.", "no idea"], ["4"] * 4, cfg)
+    assert rewards == pytest.approx([1.1, -0.4, 1.0, -1.0])  # a box earns the bonus even when wrong
     rewards, correct, metrics = R.score_batch(["\\boxed{4}", "\\boxed{x+1}", "nothing", "\\boxed{2}"],
                                               ["4", "1+x", "3", "3"], R.RewardConfig())
     assert rewards == [1.0, 1.0, 0.0, 0.0] and correct == [True, True, False, False]
-    assert metrics["reward/no_answer_frac"] == 0.25 and metrics["reward/timeouts"] == 0
+    assert metrics["reward/no_answer_frac"] == 0.25 and metrics["reward/timeouts"] == metrics["reward/over_budget"] == 0
     assert metrics["reward/worker_frac"] == 0.25  # only x+1 needed sympy; plain numbers stayed in-process
     assert R.score_batch([], [], R.RewardConfig())[:2] == ([], [])
+
+
+def test_config_check_names_the_key():
+    assert all(ok for ok, _ in R.RewardConfig().check())
+    bad = R.RewardConfig(timeout=0, batch_budget=float("inf"), workers=0, rel_tol=-1.0, correct=float("nan"), wrong="x")
+    failed = [message for ok, message in bad.check() if not ok]
+    assert "reward.timeout must be > 0 and finite, got 0" in failed
+    assert sorted(m.split()[0] for m in failed) == ["reward.batch_budget", "reward.correct", "reward.rel_tol",
+                                                     "reward.timeout", "reward.workers", "reward.wrong"]
+    assert [ok for ok, _ in R.RewardConfig(timeout=None, workers=2.5, rel_tol=[1]).check()].count(False) == 3
 
 
 # ------------------------------------------------------------------------------------------- shared data
@@ -182,17 +191,21 @@ def test_model_text_is_never_executed(tmp_path, monkeypatch):
             return _real(src, *args, **kwargs)
         monkeypatch.setattr(builtins, name, watched)
     for p in payloads:
-        assert R._equivalent(R._normalize(p), "0", 1e-6) is False
-        assert R._equivalent(R._normalize(p), R._normalize(p) + "+1", 1e-6) is False
+        assert R._equivalent(R._readings(p), ("0",), 1e-6) is False
+        assert R._equivalent(R._readings(p), (R._normalize(p) + "+1",), 1e-6) is False
     assert not target.exists()
     markers = ("pwned", "zq_marker", "__import__", "__subclasses__", "open(")
     assert not [s for s in seen if any(m in s for m in markers)]
 
 
+# Too many symbols for values at sample points, so sympy expands (a+...+w)^12 in simplify: minutes of work.
+SLOW = "\\boxed{\\frac{(%s)^{12}-1}{(%s)-1}}" % (("+".join("abcdfghjklmnopqrstuvw"),) * 2)
+
+
 def test_worker_timeout_kills_and_replaces():
     R.verify("\\boxed{x+1}", "1+x")
     before = [p.pid for p in R._pool.procs]
-    slow = "\\boxed{\\sum_{k=1}^{10^{6}} k^{k}}"  # sympy grinds through a million huge terms
+    slow = SLOW
     t0 = time.perf_counter()
     _, correct, metrics = R.score_batch([slow, "\\boxed{2x}", slow], ["1", "x+x", "1"], R.RewardConfig(timeout=0.5))
     elapsed = time.perf_counter() - t0
@@ -202,6 +215,18 @@ def test_worker_timeout_kills_and_replaces():
     for pid in set(before) - set(after):  # killed and reaped: gone from the process table, not a zombie
         assert not Path(f"/proc/{pid}").exists() or sys.platform != "linux"
     assert R.verify("\\boxed{\\sqrt{2}^2}", "2")  # the replacements work
+
+
+def test_batch_budget_bounds_a_batch_of_slow_answers():
+    R.verify("\\boxed{x+1}", "1+x")  # a warm pool
+    cfg = R.RewardConfig(timeout=1.0, batch_budget=1.5)
+    t0 = time.perf_counter()
+    _, correct, metrics = R.score_batch([SLOW] * 8, ["1"] * 8, cfg)
+    elapsed = time.perf_counter() - t0
+    assert not any(correct) and metrics["reward/over_budget"] > 0
+    assert metrics["reward/timeouts"] + metrics["reward/over_budget"] == 8  # every slow answer is accounted for
+    assert elapsed < cfg.batch_budget + 2 * cfg.timeout
+    assert R.verify("\\boxed{\\sqrt{2}^2}", "2")  # the pool recovers
 
 
 def test_import_is_cheap_and_pool_closes_at_exit():
