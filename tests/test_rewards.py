@@ -1,4 +1,4 @@
-"""rewards.py: hand examples, extraction, the reward and its metrics, config
+"""rewards.py: hand examples, labelled cases per kind of answer form, extraction, the reward and its metrics, config
 checks, agreement with math-verify's own test cases, MATH-500 / GSM8K gold-vs-solution checks, cross-problem false
 positives, hostile inputs (bounded time, nothing executed), the worker timeout (kill, replace, reap), the per-batch
 budget and a cheap import. Shared data: $SHARED_DATA_DIR or ../shared/data; the tests that need it are skipped with a
@@ -68,6 +68,96 @@ def test_hand_examples(completion, gold, expected):
     assert R.verify(completion, gold) is expected
 
 
+# ------------------------------------------------------------------------------------------- answer forms
+# Our own labelled (gold, prediction, equal?) cases for each form of answer graders meet, near-misses included; each is
+# checked as the math-verify cases are (last-number fallback on, rel_tol 1e-6). Where math-verify 0.9.0 answers
+# differently, the case says why we think it is wrong ("mv: ..."); every other case agrees with it.
+KINDS = {
+    "labelled value or equation": [
+        ("$x = 5$", "$5$", True), ("$5$", "$x=5$", True), ("$f(x) = 2x+1$", "$2x+1$", True),
+        ("$2x+1$", "$f(x) = 2x + 1$", True), ("$AB:BC = 2:3$", "$2:3$", True), ("$\\frac{BD}{DC} = \\frac{5}{7}$", "$5/7$", True),
+        ("$\\frac{BD}{DC} = \\frac{5}{7}$", "$7/5$", False), ("$m\\angle A = 30^\\circ$", "$30$", True),
+        ("$\\sin\\theta = \\frac{1}{2}$", "$\\frac12$", True), ("$m+n = 17$", "$17$", True), ("$v = 5 \\text{ m/s}$", "$5$", True),
+        ("$k = 4$", "$k = 5$", False), ("$x = 5$", "$y = 5$", False), ("$7 = 11a + c$", "$11a+c$", False),
+        ("$2x + z = 1$", "$1$", False), ("$x^2 + y^2 = 25$", "$25$", False), ("$f(x) = 3x - 2$", "$f(x) = 3x + 2$", False),
+        ("$a_n = 2n+1$", "$2n-1$", False),
+        ("$h(t) = -16t^2 + 64t$", "$-16t^2+64$", False),  # mv: equal, though the polynomials differ
+    ],
+    "inequality or interval": [
+        ("$x > 3$", "$3 < x$", True), ("$-x < -3$", "$x > 3$", True), ("$x \\le 2$", "$-2 \\le -x$", True),
+        ("$x \\geq 2$", "$-x \\geq -2$", False), ("$x \\le 2$", "$x < 2$", False), ("$x > 3$", "$(3, \\infty)$", True),
+        ("$x \\ge 3$", "$(3, \\infty)$", False), ("$-1 \\le x < 2$", "$[-1, 2)$", True), ("$-1 < x < 2$", "$[-1, 2]$", False),
+        ("$t \\geq 0$", "$t\\geqslant0$", True), ("$x > \\frac{1}{2}$", "$x \\geq \\frac12$", False), ("$x > 3$", "$y > 3$", False),
+        ("$2 < x < 5$", "$5 > x > 2$", True),  # mv: unequal, it compares the two relations of a chain pairwise
+        ("$2 < x < 5$", "$-5 < -x < -2$", True),  # mv: unequal, as above
+        ("$[2, 7]$", "$2 \\le x \\le 7$", True),  # mv: unequal unless its set/relation option is on (see KNOWN_MISSES)
+        ("$x < -2$ or $x > 2$", "$(-\\infty,-2)\\cup(2,\\infty)$", True),  # mv: unequal, it reads "or" as a set of relations
+    ],
+    "several answers": [
+        ("$2, 3$", "$\\boxed{2}$ and $\\boxed{3}$", True), ("$3, -5$", "$x = 3 \\text{ or } x = -5$", True),
+        ("$2, 3$", "$2$", False), ("$2$", "$\\boxed{2, 3}$", False), ("$(1, 2)$", "$x = 1, y = 2$", True),
+        ("$(1, 2)$", "$x=2, y=1$", False), ("$(1, 1), (-1, -1)$", "$x=1,y=1; x=-1,y=-1$", True),
+        ("$(1, 1), (-1, -1)$", "$x=1,y=1; x=-1,y=1$", False), ("$(1, 2), (3, 4)$", "$(x, y) = (1, 2), (3, 4)$", True),
+        ("$\\pm 3$", "$\\{-3, 3\\}$", True), ("$\\{-3, 3\\}$", "$\\pm 3$", True), ("$\\pm 2$", "$2$", False),
+        ("$1, 2, 3$", "\\boxed{1}, \\boxed{2}", False), ("$(2, 1), (1, 2)$", "$(1,2) \\text{ or } (2,1)$", True),
+        ("$(1, 2), (3, 4)$", "$x=1, y=2$ and $x=3, y=4$", True),  # mv: unequal, it flattens the four equations
+        ("$(2, -1)$", "$y = -1, x = 2$", True),  # mv: unequal; the same solution, variables taken in name order
+    ],
+    "ratio or chain": [
+        ("$2:3$", "$\\frac{2}{3}$", True), ("$2:3$", "$4:6$", True), ("$2:3$", "$3:2$", False), ("$3:4$", "$0.75$", True),
+        ("$1:\\sqrt{3}$", "$\\frac{\\sqrt3}{3}$", True), ("$x = 2+3 = 5$", "$5$", True), ("$5$", "$x = 2 + 3 = 5$", True),
+        ("$5$", "$x = 2+3 = 6$", False), ("$a = b = 3$", "$3$", True), ("$12$", "$3 \\cdot 4 = 12$", True),
+        ("$12$", "$3\\cdot 4 = 13$", False), ("$A = \\pi r^2 = 25\\pi$", "$25\\pi$", True), ("$2^{10} = 1024$", "$1024$", False),
+        ("$x = y = 2$", "$3$", False),
+        ("$2 + 3 = n = 5$", "$5$", True),  # mv: unequal, it looks for the name only in the first member
+    ],
+    "matrix": [
+        ("$\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}$", "$\\left[\\begin{array}{cc}1&2\\\\3&4\\end{array}\\right]$", True),
+        ("$\\left[\\begin{array}{cc}1&2\\\\3&4\\end{array}\\right]$", "$\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}$", True),
+        ("$\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}$", "$\\left[\\begin{array}{cc}1&2\\\\3&5\\end{array}\\right]$", False),
+        ("$\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}$", "$\\left[\\begin{array}{cc}1&3\\\\2&4\\end{array}\\right]$", False),
+        ("$\\begin{pmatrix}3\\\\-2\\end{pmatrix}$", "$\\left[ \\begin{array}{c} 3 \\\\ -2 \\end{array} \\right]$", True),
+        ("$\\begin{pmatrix}1\\\\2\\end{pmatrix}$", "$\\left[\\begin{array}{cc}1&2\\end{array}\\right]$", False),
+        ("$\\begin{pmatrix}\\frac12\\\\-1\\end{pmatrix}$", "$\\left(\\begin{array}{c}0.5\\\\-1\\end{array}\\right)$", True),
+        ("$\\begin{bmatrix}1&0\\\\0&1\\end{bmatrix}$", "$\\left[\\begin{array}{rr}1&0\\\\0&1\\end{array}\\right]$", True),
+        ("$\\begin{pmatrix}1&2&3\\end{pmatrix}$", "$\\left[ \\begin{array}{ccc} 1 & 2 & 3 \\end{array} \\right]$", True),
+        ("$-2$", "$\\begin{vmatrix}1&2\\\\3&4\\end{vmatrix}$", True),  # a vmatrix is a determinant
+        ("$\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}$", "$\\begin{vmatrix}1&2\\\\3&4\\end{vmatrix}$", False),
+        ("$\\begin{pmatrix}a&b\\\\c&d\\end{pmatrix}$", "$\\left[\\begin{array}{ll}a&b\\\\c&d\\end{array}\\right]$",
+         True),  # mv: unequal, it cannot parse either matrix of letters
+    ],
+    "mixed number": [
+        ("$\\frac{7}{3}$", "$2\\frac{1}{3}$", True), ("$\\frac{7}{3}$", "$2 \\frac{1}{3}$", True), ("$\\frac73$", "$2\\ \\frac13$", True),
+        ("$\\frac{11}{4}$", "\\boxed{2\n\\frac{3}{4}}", True), ("$\\frac{7}{3}$", "$2\\cdot\\frac{1}{3}$", False),
+        ("$\\frac{2}{3}$", "$2\\frac{1}{3}$", False), ("$2^{\\frac13}$", "$2\\frac13$", False), ("$-1\\frac{1}{2}$", "$-\\frac{3}{2}$", True),
+        ("$5\\frac{3}{4}$", "$5.74$", False), ("$2\\frac{1}{2}$", "$2\\frac12$ hours", True), ("$3\\frac{1}{2}\\%$", "$3\\frac12 \\%$", True),
+        ("$12\\frac{1}{2}\\%$", "$12\\frac12$ percent", True),  # mv: unequal, it reads 12\frac{1}{2}\% as 12
+        ("$7/3$", "$2 1/3$", True),  # mv: unequal, it reads "2 1/3" as 1
+    ],
+    "decimal comma, dollars, units": [
+        ("$3.5$", "3,5", True), ("$0.125$", "$0,125$", True), ("$1234$", "$1,234$", True), ("$1.234$", "$1,234$", False),
+        ("$3.14$", "$3,15$", False), ("$75$", "$0,075$", False), ("$5$", "$\\$5$", True), ("$12.50$", "The cost is $\\$12.50$.", True),
+        ("$3.25$", "$\\$3.52$", False), ("$5$", "$5 \\text{ cm}$", True), ("$4\\text{ m}$", "$4$", True),
+        ("$72$", "$72 \\text{ km/h}$", True), ("$5$", "$6 \\text{ cm}$", False),
+        ("$5$", "$\\text{approximately } 5$", False),  # words before a number are not a unit
+        ("$12.75$", "$12,75$", True),  # mv: unequal inside $..$, where it reads the comma as a list; a list reading stays
+    ],
+    "Answer: line (DAPO)": [
+        ("4", "We compute 2+2.\nAnswer: 4", True), ("4", "Answer: $4$", True), ("4", "**Answer:** 4", True), ("4", "Answer: 5", False),
+        ("\\frac{3}{2}", "Answer: 3/2", True), ("\\frac{3}{2}", "Answer: 2/3", False), ("-7", "Answer: -7", True),
+        ("x^2+1", "Answer: $x^2 - 1$", False), ("2", "The answer is 2.\nAnswer: 3", False), ("5", "Answer: 6 (not 5)", False),
+        ("(1,2)", "Answer: (1, 2)", True),  # mv: unequal, its plain-text reading keeps only the 2
+        ("x^2+1", "Answer: $x^2 + 1$", True),  # mv: unequal, as above
+    ],
+}
+KIND_CASES = [(kind, *case) for kind, cases in KINDS.items() for case in cases]
+
+
+@pytest.mark.parametrize("kind,gold,pred,expected", KIND_CASES)
+def test_answer_forms(kind, gold, pred, expected):
+    assert R.verify(pred, gold, rel_tol=1e-6, last_number_fallback=True) is expected
+
+
 def test_extraction():
     assert R.extract_answer("first \\boxed{1}, then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
     assert R.extract_answer("\\fbox{7}") == "7"
@@ -80,6 +170,9 @@ def test_extraction():
     assert R.extract_answer("I think it is 5 or 6", last_number_fallback=True) == "6"
     assert R.extract_answer("so $x = 3$ in the end", last_number_fallback=True) == "x = 3"
     assert R.extract_answer("\\boxed{" + "9" * 10_000 + "}") is None  # too long to be an answer
+    assert R.extract_answer("Let me think.\n\nAnswer: $\\frac{1}{2}$") == "\\frac{1}{2}"  # the DAPO format
+    assert R.extract_answer("Answering this needs care: 3 steps. So 5") is None
+    assert R.extract_answer("Answer: 12\nWait, \\boxed{13}") == "13"  # the latest answer wins
 
 
 def test_reward_values_and_metrics():
