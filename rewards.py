@@ -155,6 +155,7 @@ _RULES = [(re.compile(p), r) for p, r in [
     (r"\\([lg]e|ne)q?(?:slant)?(?![A-Za-z])", r"\\\1"),  # \leq, \leqslant -> \le
     (r"(?<!\\)\\[,;:! ]|\\q?quad|\\displaystyle|~|\\angle", " "), (r"(?<=\d) (?=\d{3}\b)", ""),  # 1 000 000
     (r"(?<=[\d}.])\s*\\(?:text\w*|mbox|mathrm)\s*\{\s*[A-Za-z][^{}]*\}(?:\^\{?\d\}?)?\s*$", ""),  # 4\text{ m}
+    (r"\\mathbb\s*\{?R\}?", r"(-\\infty, \\infty)"), (r"\\l(floor|ceil)\b", r"\\\1("), (r"\\r(?:floor|ceil)\b", ")"),
     (_UNWRAP, r"\1"), (_UNWRAP, r"\1"),  # twice: \text{\textbf{..}} nests
     (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""), (r"\s*(?:\\%|\b(?:percent(?:age)?|pct)\b)", "%"),
     (r"\\?\$|[€£¥]", ""), (r"^\s*([A-Za-z])\s*\\approx", r"\1="), (r"\\approx.*", ""),  # x \approx 2; 1 \approx .9
@@ -223,8 +224,8 @@ _SUB = re.compile(r"\s*_\s*(?:\{([^{}]{1,40})\}|(\w))")
 _OPS = {"=": "==", "<": "<", ">": ">", "<=": "<=", ">=": ">=", "!=": "!=", "\\le": "<=", "\\ge": ">=", "\\lt": "<",
         "\\gt": ">", "\\ne": "!=", "+": "+", "-": "-", "*": "*", "\\cdot": "*", "\\times": "*", "/": "/", "\\div": "/",
         "\\cup": "|", ",": ",", "^": "**", "!": "[_]"}  # n! is n[_], a subscript: it binds tighter than **
-_APPLY = {"sin", "cos", "tan", "sec", "csc", "cot", "arcsin", "arccos", "arctan", "ln", "log", "exp",
-          "mat", "row", "det"}  # \sin x, \log_2 8; \mat(\row(a, b), ..) is written by _matrix
+_APPLY = {"sin", "cos", "tan", "sec", "csc", "cot", "arcsin", "arccos", "arctan", "ln", "log", "exp", "floor",
+          "ceil", "mat", "row", "det"}  # \sin x, \log_2 8; \mat(\row(a, b), ..) is written by _matrix
 _CONST = {"e": "Exp1", "i": "ImaginaryUnit", "pi": "Pi", "infty": "Infinity", "emptyset": "EmptySet",
           "varnothing": "EmptySet", "True": "true", "False": "false"}
 
@@ -324,11 +325,12 @@ def _expr(x):
 @lru_cache(maxsize=1)
 def _functions():
     S = sympy
-    f = {k: getattr(S, k) for k in ("sin", "cos", "tan", "sec", "csc", "cot", "log", "exp")}
-    f |= {"arcsin": S.asin, "arccos": S.acos, "arctan": S.atan, "ln": S.log, "abs": S.Abs, "set": lambda *xs: list(xs),
-          "sqrt": S.sqrt, "root": lambda n, x: S.root(x, n), "binom": lambda n, k: S.binomial(_small_int(n), k),
-          "row": lambda r: r if isinstance(r, tuple) else (r,), "det": lambda m: m.det(), "Interval": S.Interval,
-          "mat": lambda r: S.ImmutableMatrix([*map(list, r)] if isinstance(r[0], tuple) else [list(r)])}
+    f = {k: getattr(S, k) for k in ("sin", "cos", "tan", "sec", "csc", "cot", "log", "exp", "floor", "sqrt")}
+    f |= {"arcsin": S.asin, "arccos": S.acos, "arctan": S.atan, "ln": S.log, "ceil": S.ceiling, "abs": S.Abs,
+          "set": lambda *xs: list(xs), "root": lambda n, x: S.root(x, n), "det": lambda m: m.det(),
+          "binom": lambda n, k: S.binomial(_small_int(n), k), "row": lambda r: r if isinstance(r, tuple) else (r,),
+          "mat": lambda r: S.ImmutableMatrix([*map(list, r)] if isinstance(r[0], tuple) else [list(r)]),
+          "Interval": S.Interval}
     return {"F_" + k: v for k, v in f.items()}
 
 
@@ -439,16 +441,16 @@ def _oriented(r):  # a > b >= c  ->  c <= b < a, so that equal relations have eq
     return _Rel(r.parts[::-1], tuple(op.replace(">", "<") for op in r.ops[::-1])) if flip else r
 
 
-def _rel_to_set(r):
-    r = _oriented(r)
+def _rel_to_set(r):  # x > 3 -> (3, oo); 1 <= |z| <= 3/2 and x != 1 are solved for x
+    r, relations = _oriented(r), {"<": sympy.Lt, "<=": sympy.Le, "!=": sympy.Ne}
     syms = set().union(*(p.free_symbols for p in r.parts))
-    if not all(op in ("<", "<=") for op in r.ops) or len(syms) != 1 and len(r.parts) != 3:
+    if not all(op in relations for op in r.ops) or len(syms) != 1 and len(r.parts) != 3:
         raise ValueError("not an inequality in one variable")
-    if len(r.parts) == 3 and (len(syms) != 1 or r.parts[1].is_Symbol):  # 0 < f(x) < 1
+    if len(r.parts) == 3 and "!=" not in r.ops and (len(syms) != 1 or r.parts[1].is_Symbol):  # 0 < f(x) < 1
         return sympy.Interval(r.parts[0], r.parts[2], r.ops[0] == "<", r.ops[1] == "<")
     x, result = syms.pop(), sympy.S.Reals
-    for low, op, high in zip(r.parts, r.ops, r.parts[1:]):  # 1 <= |z| <= 3/2 needs solving
-        result &= sympy.solveset(sympy.Lt(low, high) if op == "<" else sympy.Le(low, high), x, sympy.S.Reals)
+    for low, op, high in zip(r.parts, r.ops, r.parts[1:]):
+        result &= sympy.solveset(relations[op](low, high), x, sympy.S.Reals)
     return result
 
 

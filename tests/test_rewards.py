@@ -58,7 +58,7 @@ HAND = [  # (completion, gold, equal?)
     (B % "-5i + 6", "6-5i", True), (B % "\\frac{x+2}{7}", "\\frac{x}{7}+\\frac{2}{7}", True),
     (B % "(a+5)(b+2)", "ab+2a+5b+10", True), (B % "(a+5)(b+3)", "ab+2a+5b+10", False),
     (B % "\\sin^2 x + \\cos^2 x", "1", True), (B % "\\log_2 8", "3", True), (B % "5!", "120", True),
-    (B % "\\binom{5}{2}", "10", True), (B % "52_8", "52_8", True), (B % "42", "52_8", False),
+    (B % "\\binom{5}{2}", "10", True), (B % "\\lfloor 3.7 \\rfloor", "3", True), (B % "\\lceil 3.2 \\rceil", "3", False), (B % "52_8", "52_8", True), (B % "42", "52_8", False),
     (B % "-\\infty", "\\infty", False), ("I think it is 5", "5", False),  # no boxed answer: no answer by default
 ]
 
@@ -88,6 +88,8 @@ KINDS = {
         ("$x \\geq 2$", "$-x \\geq -2$", False), ("$x \\le 2$", "$x < 2$", False), ("$x > 3$", "$(3, \\infty)$", True),
         ("$x \\ge 3$", "$(3, \\infty)$", False), ("$-1 \\le x < 2$", "$[-1, 2)$", True), ("$-1 < x < 2$", "$[-1, 2]$", False),
         ("$t \\geq 0$", "$t\\geqslant0$", True), ("$x > \\frac{1}{2}$", "$x \\geq \\frac12$", False), ("$x > 3$", "$y > 3$", False),
+        ("$x \\neq 1$", "$(-\\infty,1)\\cup(1,\\infty)$", True), ("$x \\neq 1$", "$(-\\infty,1)\\cup(2,\\infty)$", False),
+        ("$\\mathbb{R}$", "$(-\\infty, \\infty)$", True),
         ("$2 < x < 5$", "$5 > x > 2$", True),  # mv: unequal, it compares the two relations of a chain pairwise
         ("$2 < x < 5$", "$-5 < -x < -2$", True),  # mv: unequal, as above
         ("$[2, 7]$", "$2 \\le x \\le 7$", True),  # mv: unequal unless its set/relation option is on (see KNOWN_MISSES)
