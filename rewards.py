@@ -120,9 +120,11 @@ def _last_phrase(text, fallback):
         return None
     span = _SPAN.match(tail := text[phrases[-1].end():phrases[-1].end() + 300])
     answer = next(g for g in span.groups() if g) if span else _SENTENCE_END.split(tail, 1)[0]
-    if not _mathlike(answer):  # "Final Answer: Jane started growing Sphere 3 hours ago."
-        numbers = _NUMBER.findall(answer) if fallback else []
-        answer = numbers[0] if numbers else None  # the first: "Answer: 6 (not 5)"
+    if not _mathlike(answer):  # a sentence: "the volume of $V$ is 120", "Jane started 3 hours ago", "6 (not 5)"
+        answer = re.split(r"\bis\b", answer)[-1]
+        span, numbers = _SPAN.search(answer), _NUMBER.findall(answer) if fallback else []
+        span = next(g for g in span.groups() if g) if span else None
+        answer = answer if _mathlike(answer) else span or (numbers or [None])[0]
     return (phrases[-1].start(), answer) if answer else None
 
 

@@ -175,6 +175,8 @@ def test_extraction():
     assert R.extract_answer("Let me think.\n\nAnswer: $\\frac{1}{2}$") == "\\frac{1}{2}"  # the DAPO format
     assert R.extract_answer("Answering this needs care: 3 steps. So 5") is None
     assert R.extract_answer("Answer: 12\nWait, \\boxed{13}") == "13"  # the latest answer wins
+    assert R.extract_answer("Answer: the area is $6$ square units.") == "$6$ square units"  # units go in normalisation
+    assert R.extract_answer("Final Answer: The volume of $ABCH$ is 120. I hope it is correct.") == "120"
 
 
 def test_reward_values_and_metrics():
