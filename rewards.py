@@ -89,7 +89,9 @@ _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 
 
 # (start, answer, end) of the last (start, end, answer) piece, joined with the pieces before it that only a
-# separator divides from it: "\boxed{1}, \boxed{2}" is the list "1, 2".
+# separator divides from it: "\boxed{1}, \boxed{2}" is the list "1, 2". math-verify also joins boxes across any
+# gap under 10 characters or a phrase with "and"/"," in it; we do not, on purpose: "\boxed{5}. Wait, it is
+# \boxed{7}" is a correction, and reading it as the list 5, 7 would punish a model for correcting itself.
 def _joined(pieces, text):
     (start, end, _), parts = pieces[-1], [pieces[-1][2]]
     for s, e, a in reversed(pieces[:-1]):
@@ -165,7 +167,8 @@ _RULES = [(re.compile(p), r) for p, r in [
     (r",?\s*\b(?:and|or)\b\s*", ","), (r";", ","), (r",\s*,", ","),  # "19, 46, and 82", "(1,2) or (2,1)"
     (rf"(?<=[\d}}).%])(?:\s*{_UNIT})+\s*$", ""),  # units: "5 cm^2", "3 km/h", "2\frac12 hours"
     (r"(?<![\d.^_{}A-Za-z\\])(\d+)\s*\\frac\s*(?:\{(\d+)\}|(\d))\s*(?:\{(\d+)\}|(\d))", r"(\1+\2\3/\4\5)"),  # 2\frac13
-    (r"^(-?)(\d+) +(\d+)/(\d+)$", r"\1(\2+\3/\4)"), (r":", "/"),  # 2 1/3; a ratio 2:3 is 2/3, as in math-verify
+    (r"^(-?)(\d+) +(\d+)/(\d+)$", r"\1(\2+\3/\4)"),  # 2 1/3 (math-verify reads 1 here)
+    (r":", "/"),  # a ratio 2:3 is 2/3, as in math-verify; so is 1:2:3 (1/2)/3, which is wrong but rare
 ]]
 _THOUSANDS = re.compile(r"(?<![\d.,(\[])[1-9]\d{0,2}(?:,\d{3})+(?=$|[^\d,)\]])")
 _PLAIN = re.compile(r"-?(?:\d{1,40}(?:\.\d{1,40})?|\.\d{1,40})(?:/\d{1,40})?")
@@ -419,7 +422,9 @@ def _is_name(e):  # x, f(x), AB/BC, m+n, (p, q): made of symbols only, it names 
     return bool(parts) and all(map(_is_name, parts))
 
 
-def _solutions(x):  # [x=1, y=2, x=3, y=4] -> [(1, 2), (3, 4)]: a tuple per solution, variables in name order
+# [x=1, y=2, x=3, y=4] -> [(1, 2), (3, 4)]: a tuple per solution, its variables in name order, so that
+# "y = 2, x = 1" is the pair (1, 2). math-verify keeps the written order and flattens "x=1, y=2 and x=3, y=4".
+def _solutions(x):
     if not (isinstance(x, list) and all(_is_eq(e) and isinstance(e.parts[0], sympy.Symbol) for e in x)):
         return x
     runs = []
@@ -456,6 +461,10 @@ def _rel_to_set(r):  # x > 3 -> (3, oo); 1 <= |z| <= 3/2 and x != 1 are solved f
     return result
 
 
+# Relations: an interval or union against an inequality in one variable, in both directions (math-verify only
+# when the prediction is the set, unless its set/relation option is on); equations up to a constant factor;
+# inequalities once both point the same way, as written or times -1. math-verify compares the relations of a
+# chain pairwise, so it finds 5 > x > 2 unequal to 2 < x < 5; orienting first fixes that.
 def _same_rel(g, p, tol):
     if not (isinstance(g, _Rel) and isinstance(p, _Rel)):  # x > 3 against (3, \infty)
         other = p if isinstance(g, _Rel) else g
