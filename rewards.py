@@ -12,11 +12,12 @@ evaluated. Usage: verify(completion, gold) -> bool; score_batch(completions, gol
 #      worker process that parses both sides and compares them: structure first (_same), then values at two
 #      sample points within `rel_tol`, then simplify(a - b) == 0.
 # Safety, since completions are untrusted text: nothing calls eval, exec, sympify or parse_expr. LaTeX becomes
-# the text of a Python expression whose names are all made here (n0, v1, F_sin); ast.parse reads it (it is
-# never compiled) and a whitelisting walker builds sympy objects. Length, nesting and digits are bounded
-# first; powers and factorials are size-checked before sympy computes them. Slow work runs in memory-capped
-# worker processes (fresh interpreters: no torch threads, no re-import of the trainer), killed and replaced
-# past `timeout` per answer; past `batch_budget` per batch the answers not yet verified count as wrong.
+# the text of a Python expression whose names are all made here (v0, v1, F_sin); ast.parse reads it (it is
+# never compiled) and a whitelisting walker builds sympy objects. Length (which bounds every number) and
+# nesting are bounded first; powers and factorials are size-checked before sympy computes them. Slow work runs
+# in memory-capped worker processes (fresh interpreters: no torch threads, no re-import of the trainer), killed
+# and replaced past `timeout` per answer (reward/timeouts); past `batch_budget` per batch the answers not yet
+# verified count as wrong (reward/over_budget), so a batch of hostile answers cannot stall a step.
 # Importing this module loads only the standard library; sympy is imported by the workers.
 
 import ast
@@ -113,8 +114,7 @@ def _last_span(text):
 
 
 def _mathlike(s):  # a formula or a one-word answer, not a sentence
-    n = _normalize(s)
-    return 0 < len(n) <= MAX_ANSWER and (not _WORD.search(n) or re.fullmatch(r"[A-Za-z]{1,30}", n))
+    return 0 < len(n := _normalize(s)) <= MAX_ANSWER and (not _WORD.search(n) or re.fullmatch(r"[A-Za-z]{1,30}", n))
 
 
 def _last_phrase(text, fallback):
@@ -152,7 +152,8 @@ def extract_answer(text: str, last_number_fallback: bool = False) -> str | None:
 _UNICODE = str.maketrans({"−": "-", "×": "*", "·": "*", "÷": "/", "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ",
                           "π": "\\pi ", "∞": "\\infty ", "√": "\\sqrt", "∪": "\\cup ", "°": ""})
 _UNWRAP = r"\\(?:text\w*|mbox|math\w+|operatorname|boxed|fbox|overline|overrightarrow|vec|hat|widehat)\s*\{([^{}]*)\}"
-_UNIT = r"(?:[A-Za-z]{2,}|[A-Za-z]+/[A-Za-z]+)\b(?:\^\{?\d\}?)?"
+_UNIT = (r"(?:\s+(?:[A-Za-z]{2,}|[A-Za-z]+/[A-Za-z]+)|\s*(?:[ckm]m|kg|mg|ft|mi|mph|min|sec|hrs?|inch(?:es)?|feet|cups?"
+         r"|dollars?|cents?|units?|degrees?|meters?)(?:/[A-Za-z]+)?)\b(?:\^\{?\d\}?)?")  # 2xy keeps its xy
 _RULES = [(re.compile(p), r) for p, r in [
     (r"\\[dtc]frac", r"\\frac"), (r"\\[dt]binom", r"\\binom"), (r"\\sqrt\s*\[([^\]]*)\]", r"\\root{\1}"),
     (r",\\!\s*|\{,\}", ","), (r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\.?", ""),
@@ -165,7 +166,7 @@ _RULES = [(re.compile(p), r) for p, r in [
     (r"\\?\$|[€£¥]", ""), (r"^\s*([A-Za-z])\s*\\approx", r"\1="), (r"\\approx.*", ""),  # x \approx 2; 1 \approx .9
     (r"^\s*(?:[A-Za-z]|\([A-Za-z, ]+\))\s*\\in\s*", ""),  # "x \in [0, 1)" is the interval; "(x, y) \in \{..\}"
     (r",?\s*\b(?:and|or)\b\s*", ","), (r";", ","), (r",\s*,", ","),  # "19, 46, and 82", "(1,2) or (2,1)"
-    (rf"(?<=[\d}}).%])(?:\s*{_UNIT})+\s*$", ""),  # units: "5 cm^2", "3 km/h", "2\frac12 hours"
+    (rf"(?<=[\d}}).%])(?:{_UNIT})+\s*$", ""),  # units: "5 cm^2", "5cm", "3 km/h", "2\frac12 hours"
     (r"(?<![\d.^_{}A-Za-z\\])(\d+)\s*\\frac\s*(?:\{(\d+)\}|(\d))\s*(?:\{(\d+)\}|(\d))", r"(\1+\2\3/\4\5)"),  # 2\frac13
     (r"^(-?)(\d+) +(\d+)/(\d+)$", r"\1(\2+\3/\4)"),  # 2 1/3 (math-verify reads 1 here)
     (r":", "/"),  # a ratio 2:3 is 2/3, as in math-verify; so is 1:2:3 (1/2)/3, which is wrong but rare
@@ -196,7 +197,8 @@ def _normalize(s: str) -> str:  # string clean-up for prediction and gold: regex
 
 def _readings(answer: str) -> tuple:  # normalised readings: the answer is right if one matches a gold reading
     s = _normalize(answer)
-    base, (whole, _, decimals) = s.replace("%", "").strip(), s.partition(",")
+    base = s.replace("%", "").strip()
+    whole, _, decimals = base.partition(",")
     percent = s.endswith("%") and _PLAIN.fullmatch(base) and not re.search(r"/0+$", base)  # 28% is 28 or 0.28
     comma = re.fullmatch(r"-?\d+,\d+", base) and (whole in ("0", "-0") or len(decimals) != 3)  # 2,5 or 0,125
     return (base, *([str(Fraction(base) / 100)] if percent else []), *([f"{whole}.{decimals}"] if comma else []))
@@ -598,8 +600,7 @@ def _serve():  # the worker loop: python rewards.py --worker
 # -------------------------------------------------------------------------------- public API
 @lru_cache(maxsize=4096)
 def _gold_readings(gold: str) -> tuple:  # cached: the G completions of a group share one gold
-    span = _last_span(gold)
-    return _readings(extract_answer(gold) or (span[1] if span else gold))
+    return _readings(extract_answer(gold) or (_last_span(gold) or (0, gold))[1])  # boxed, "$..$", else as is
 
 
 def score_batch(completions: list[str], golds: list, cfg: RewardConfig) -> tuple[list[float], list[bool], dict]:

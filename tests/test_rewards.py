@@ -140,7 +140,8 @@ KINDS = {
         ("$3.5$", "3,5", True), ("$0.125$", "$0,125$", True), ("$1234$", "$1,234$", True), ("$1.234$", "$1,234$", False),
         ("$3.14$", "$3,15$", False), ("$75$", "$0,075$", False), ("$5$", "$\\$5$", True), ("$12.50$", "The cost is $\\$12.50$.", True),
         ("$3.25$", "$\\$3.52$", False), ("$5$", "$5 \\text{ cm}$", True), ("$4\\text{ m}$", "$4$", True),
-        ("$72$", "$72 \\text{ km/h}$", True), ("$5$", "$6 \\text{ cm}$", False),
+        ("$72$", "$72 \\text{ km/h}$", True), ("$5$", "$6 \\text{ cm}$", False), ("$5$", "$5cm$", True),
+        ("$2$", "$2xy$", False), ("$2$", "$a^2+b^2-2abc$", False),  # letters after a number are a unit only when they are one
         ("$5$", "$\\text{approximately } 5$", False),  # words before a number are not a unit
         ("$12.75$", "$12,75$", True),  # mv: unequal inside $..$, where it reads the comma as a list; a list reading stays
     ],
