@@ -58,7 +58,8 @@ HAND = [  # (completion, gold, equal?)
     (B % "-5i + 6", "6-5i", True), (B % "\\frac{x+2}{7}", "\\frac{x}{7}+\\frac{2}{7}", True),
     (B % "(a+5)(b+2)", "ab+2a+5b+10", True), (B % "(a+5)(b+3)", "ab+2a+5b+10", False),
     (B % "\\sin^2 x + \\cos^2 x", "1", True), (B % "\\log_2 8", "3", True), (B % "5!", "120", True),
-    (B % "\\binom{5}{2}", "10", True), (B % "\\lfloor 3.7 \\rfloor", "3", True), (B % "\\lceil 3.2 \\rceil", "3", False), (B % "52_8", "52_8", True), (B % "42", "52_8", False),
+    (B % "\\binom{5}{2}", "10", True), (B % "\\lfloor 3.7 \\rfloor", "3", True), (B % "\\lceil 3.2 \\rceil", "3", False),
+    (B % "52_8", "52_8", True), (B % "42", "52_8", False),
     (B % "-\\infty", "\\infty", False), ("I think it is 5", "5", False),  # no boxed answer: no answer by default
 ]
 
@@ -131,8 +132,9 @@ KINDS = {
     "mixed number": [
         ("$\\frac{7}{3}$", "$2\\frac{1}{3}$", True), ("$\\frac{7}{3}$", "$2 \\frac{1}{3}$", True), ("$\\frac73$", "$2\\ \\frac13$", True),
         ("$\\frac{11}{4}$", "\\boxed{2\n\\frac{3}{4}}", True), ("$\\frac{7}{3}$", "$2\\cdot\\frac{1}{3}$", False),
-        ("$\\frac{2}{3}$", "$2\\frac{1}{3}$", False), ("$2^{\\frac13}$", "$2\\frac13$", False), ("$-1\\frac{1}{2}$", "$-\\frac{3}{2}$", True),
-        ("$5\\frac{3}{4}$", "$5.74$", False), ("$2\\frac{1}{2}$", "$2\\frac12$ hours", True), ("$3\\frac{1}{2}\\%$", "$3\\frac12 \\%$", True),
+        ("$\\frac{2}{3}$", "$2\\frac{1}{3}$", False), ("$2^{\\frac13}$", "$2\\frac13$", False),
+        ("$-1\\frac{1}{2}$", "$-\\frac{3}{2}$", True), ("$5\\frac{3}{4}$", "$5.74$", False),
+        ("$2\\frac{1}{2}$", "$2\\frac12$ hours", True), ("$3\\frac{1}{2}\\%$", "$3\\frac12 \\%$", True),
         ("$12\\frac{1}{2}\\%$", "$12\\frac12$ percent", True),  # mv: unequal, it reads 12\frac{1}{2}\% as 12
         ("$7/3$", "$2 1/3$", True),  # mv: unequal, it reads "2 1/3" as 1
     ],
