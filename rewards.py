@@ -1,43 +1,30 @@
-"""Rule-based math answer checking: the reward for GRPO and the metric for evaluation.
-
-    verify(completion, gold) -> bool        math_reward(completion, gold, cfg) -> float
-    score_batch(completions, golds, cfg) -> (rewards, correct, metrics)   # once per RL step
-
-Pipeline, cheapest first:
-  1. Extract: the last \\boxed{}/\\fbox{} (boxes separated only by ",", "and", \\quad form one
-     list), "final answer is ...", "the answer is ...", GSM8K "#### N"; the latest one wins. With
-     `last_number_fallback` (off for training) a completion without any of them gives its last
-     $..$ span, the whole text if it is a short formula, or its last number. Gold answers use the
-     same code and fall back to the whole string.
-  2. Normalise both strings (\\left, spacing, \\dfrac, \\text, units, degrees, %, $, thousands
-     separators, "x =" before a number, mixed numbers, trailing punctuation).
-  3. Decide in-process when that is cheap and cannot hang: equal strings, or two plain numbers of
-     bounded length compared exactly with fractions.Fraction (with `rel_tol` if one is a decimal).
-  4. Otherwise a worker process parses both sides into sympy objects and compares them:
-     structural equality -> exact rationals -> values at two sample points with a relative
-     tolerance (a clear difference rejects at once, so wrong answers never pay for simplify) ->
-     simplify(a - b) == 0 when no values can be computed. Tuples compare in order, lists and sets
-     in any order, intervals by endpoints, relations after orienting them, "x = 3" or "f(x) = 1"
-     by its right side, inequalities against intervals by solving them, matrices by entries.
-
-Safety, since completions are untrusted text:
-  * sympify/parse_expr call Python eval; nothing here does. A fixed-alphabet tokenizer and a
-    recursive-descent parser build sympy objects directly (Integer, Float, Add, Pow, ...).
-  * Answer length, bracket depth, recursion depth and digits per number are bounded before
-    parsing; powers, factorials and binomials are size-checked before sympy evaluates them, so
-    7^(7^(7^7)) or 50000! is refused rather than computed.
-  * What may still be slow (simplify, big-integer C code that signals cannot interrupt, and
-    signals only work in the main thread anyway) runs in a worker process that is killed and
-    replaced when a job passes `timeout`; a timeout counts as wrong and is reported. Workers are
-    fresh interpreters started by subprocess (fork+exec): they inherit no torch threads and never
-    re-import the trainer's __main__ as multiprocessing's spawn would. They cap their memory.
-  * `import rewards` loads only the standard library and starts nothing; sympy is imported on the
-    first parse, which normally happens in a worker.
+"""Rule-based math answer checking: the reward for GRPO and the metric for evaluation. Model text is never
+evaluated. Usage: verify(completion, gold) -> bool; score_batch(completions, golds, cfg) -> (rewards, correct, metrics)
 """
+# Pipeline, cheapest first:
+#   1. Extract the final answer: the last \boxed{} (boxes divided only by ",", "and", \quad form one list),
+#      "final answer is", "the answer is", an "Answer:" line (the DAPO prompt's format) or GSM8K "####",
+#      whichever comes last. With `last_number_fallback` (for eval) else the last $..$ span, a short formula
+#      or the last number.
+#   2. Normalise it (\left, spaces, \dfrac, \text, units, $, thousands, mixed numbers, ratios, matrices).
+#      Some answers have two readings and either may match: "28%" is 28 or 7/25, "3,5" is 3.5 or the list 3, 5.
+#   3. Equal strings and plain numbers (compared with Fraction) are decided in-process. The rest goes to a
+#      worker process that parses both sides and compares them: structure first (_same), then values at two
+#      sample points within `rel_tol`, then simplify(a - b) == 0.
+# Safety, since completions are untrusted text: nothing calls eval, exec, sympify or parse_expr. LaTeX becomes
+# the text of a Python expression whose names are all made here (v0, v1, F_sin); ast.parse reads it (it is
+# never compiled) and a whitelisting walker builds sympy objects. Length (which bounds every number) and
+# nesting are bounded first; powers and factorials are size-checked before sympy computes them. Slow work runs
+# in memory-capped worker processes (fresh interpreters: no torch threads, no re-import of the trainer), killed
+# and replaced past `timeout` per answer (reward/timeouts); past `batch_budget` per batch the answers not yet
+# verified count as wrong (reward/over_budget), so a batch of hostile answers cannot stall a step.
+# Importing this module loads only the standard library; sympy is imported by the workers.
 
+import ast
 import atexit
 import itertools
 import json
+import math
 import os
 import re
 import select
@@ -47,9 +34,9 @@ import threading
 import time
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
+from functools import lru_cache, partial
 
-sympy = None  # imported by _parse_answer, so that importing this module stays cheap
+sympy = None  # imported by _parse, so that importing this module stays cheap
 
 
 @dataclass
@@ -64,6 +51,8 @@ class RewardConfig:
     """added to the reward whenever the completion contains a \\boxed{} answer"""
     timeout: float = 2.0
     """seconds per verification in a worker process; a hard limit (the worker is killed)"""
+    batch_budget: float = 30.0
+    """seconds for the worker jobs of one score_batch call; answers still unverified then count as wrong"""
     last_number_fallback: bool = False
     """without boxed/"answer is"/####, take the last math span or number (lenient, for eval)"""
     rel_tol: float = 1e-6
@@ -82,19 +71,28 @@ class RewardConfig:
                 (self.workers >= 1, f"reward.workers must be ≥ 1, got {self.workers}"),
                 (0 <= self.rel_tol < 1, f"reward.rel_tol must be in [0, 1), got {self.rel_tol}")]
 
+    def check(self) -> list[tuple[bool, str]]:
+        """(condition, message naming the key) for every field whose value could be nonsense; never raises."""
+        num = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+               for k, v in vars(self).items()}  # nan for what is not a number: every comparison with it is False
+        rules = {k: (0 < num[k] < math.inf, "> 0 and finite") for k in ("timeout", "batch_budget")}
+        rules |= {"workers": (isinstance(self.workers, int) and num["workers"] >= 1, "an integer >= 1"),
+                  "rel_tol": (0 <= num["rel_tol"] < math.inf, ">= 0 and finite")}
+        rules |= {k: (math.isfinite(num[k]), "finite") for k in ("correct", "wrong", "no_answer", "format_bonus")}
+        return [(bool(ok), f"reward.{k} must be {rule}, got {getattr(self, k)!r}") for k, (ok, rule) in rules.items()]
+
 
 MAX_TEXT = 20_000  # only the tail of a completion is searched: the final answer is at the end
-MAX_ANSWER = 400  # longest answer we parse (MATH-500 answers have at most 53 characters)
-MAX_DEPTH = 40  # bracket nesting and parser recursion
-MAX_DIGITS = 100  # digits in one number literal
+MAX_ANSWER = 400  # longest answer we parse, which bounds every literal (MATH-500 answers have at most 53 characters)
+MAX_DEPTH = 40  # bracket nesting
 MAX_BITS = 30_000  # largest integer a power may build (~9,000 digits)
 MAX_FACTORIAL = 1_000
 
 # ---------------------------------------------------------------------------------- extraction
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _SPAN = re.compile(r"\$\$(.{1,2000}?)\$\$|\\\[(.{1,2000}?)\\\]|\\\(([^\n]{1,500}?)\\\)"
-                   r"|(?<![\\$])\$(?!\$)([^$\n]{1,500}?)(?<!\\)\$", re.DOTALL)
-_PHRASE = re.compile(r"(?i)(?:final answer|the answer)(?:[^.\n]|\.\d){0,100}?(?:\bis\b|:)[ \t]*")
+                   r"|(?<![\\$])\$(?!\$)((?:[^$\n\\]|\\.){1,500}?)\$", re.DOTALL)  # $\$5$ holds an escaped $
+_PHRASE = re.compile(r"(?im)(?:final answer|the answer|^[ \t*#>]*answer\b)(?:[^.\n]|\.\d){0,100}?(?:\bis\b|:)[ \t*]*")
 _HASHES = re.compile(r"####[ \t]*([^\n]{1,100})")
 _SENTENCE_END = re.compile(r"\.(?!\d)|\n|I hope")
 _JOIN = re.compile(r"(?:\s|[,;$]|\\[()\[\]]|\\q?quad|\\text\{\s*(?:and|or)\s*\}|\band\b|\bor\b)*")
@@ -102,29 +100,22 @@ _NUMBER = re.compile(r"(?<![A-Za-z0-9.,])-?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 
 
+# (start, answer, end) of the last (start, end, answer) piece, joined with the pieces before it that only a
+# separator divides from it: "\boxed{1}, \boxed{2}" is the list "1, 2". math-verify also joins boxes across any
+# gap under 10 characters or a phrase with "and"/"," in it; we do not, on purpose: "\boxed{5}. Wait, it is
+# \boxed{7}" is a correction, and reading it as the list 5, 7 would punish a model for correcting itself.
 def _joined(pieces, text):
-    """(start, answer, end) of the last (start, end, answer) piece, joined with the pieces before
-    it that only a separator divides from it: "\\boxed{1}, \\boxed{2}" is the list "1, 2"."""
-    start, end, answer = pieces[-1]
-    parts = [answer]
+    (start, end, _), parts = pieces[-1], [pieces[-1][2]]
     for s, e, a in reversed(pieces[:-1]):
-        gap = text[e:start]
-        if e > start or len(parts) >= 10 or len(gap) > 60 or not _JOIN.fullmatch(gap):
+        if e > start or len(parts) >= 10 or len(text[e:start]) > 60 or not _JOIN.fullmatch(text[e:start]):
             break
-        parts.insert(0, a)
-        start = s
+        parts, start = [a, *parts], s
     return start, ", ".join(parts), end
 
 
-def _last_boxed(text):
-    boxes = []
-    for m in list(_BOX.finditer(text))[-20:]:  # bounded work however many boxes there are
-        depth, i, stop = 1, m.end(), min(len(text), m.end() + MAX_ANSWER)
-        while i < stop and depth:
-            depth += (text[i] == "{") - (text[i] == "}")
-            i += 1
-        if depth == 0:  # unclosed or overlong boxes are ignored
-            boxes.append((m.start(), i, text[m.end():i - 1]))
+def _last_boxed(text):  # the last 20 boxes at most, whatever the text; unclosed or overlong boxes are ignored
+    boxes = [(m.start(), *_group(text[:m.end() + MAX_ANSWER], m.end() - 1)) for m in list(_BOX.finditer(text))[-20:]]
+    boxes = [(start, end, answer) for start, answer, end in boxes if answer is not None]
     return _joined(sorted(boxes, key=lambda b: b[1]), text) if boxes else None
 
 
@@ -133,38 +124,30 @@ def _last_span(text):
     return _joined(spans, text) if spans else None
 
 
-def _mathlike(s):
-    """A formula or a one-word answer, not a sentence."""
-    n = _normalize(s)
-    return 0 < len(n) <= MAX_ANSWER and (not _WORD.search(n) or re.fullmatch(r"[A-Za-z]{1,30}", n))
+def _mathlike(s):  # a formula or a one-word answer, not a sentence
+    return 0 < len(n := _normalize(s)) <= MAX_ANSWER and (not _WORD.search(n) or re.fullmatch(r"[A-Za-z]{1,30}", n))
 
 
 def _last_phrase(text, fallback):
-    m = None
-    for m in _PHRASE.finditer(text):
-        pass
-    if m is None:
+    if not (phrases := list(_PHRASE.finditer(text))):
         return None
-    tail = text[m.end():m.end() + 300]
-    span = _SPAN.match(tail)
+    span = _SPAN.match(tail := text[phrases[-1].end():phrases[-1].end() + 300])
     answer = next(g for g in span.groups() if g) if span else _SENTENCE_END.split(tail, 1)[0]
-    if not _mathlike(answer):  # "Final Answer: Jane started growing Sphere 3 hours ago."
-        numbers = _NUMBER.findall(answer) if fallback else []
-        answer = numbers[-1] if numbers else None
-    return (m.start(), answer) if answer else None
+    if not _mathlike(answer):  # a sentence: "the volume of $V$ is 120", "Jane started 3 hours ago", "6 (not 5)"
+        answer = re.split(r"\bis\b", answer)[-1]
+        span, numbers = _SPAN.search(answer), _NUMBER.findall(answer) if fallback else []
+        span = next(g for g in span.groups() if g) if span else None
+        answer = answer if _mathlike(answer) else span or (numbers or [None])[0]
+    return (phrases[-1].start(), answer) if answer else None
 
 
 def extract_answer(text: str, last_number_fallback: bool = False) -> str | None:
     """The final answer in a completion, or None if there is none."""
     text = str(text)[-MAX_TEXT:]
-    hashes = list(_HASHES.finditer(text))
     found = [_last_boxed(text), _last_phrase(text, last_number_fallback),
-             (hashes[-1].start(), hashes[-1].group(1)) if hashes else None]
-    found = [f[:2] for f in found if f and f[1].strip()]
-    if found:
-        return max(found)[1].strip()
-    if not last_number_fallback:
-        return None
+             *[(m.start(), m[1]) for m in list(_HASHES.finditer(text))[-1:]]]
+    if (found := [f[:2] for f in found if f and f[1].strip()]) or not last_number_fallback:
+        return max(found)[1].strip() if found else None
     text = text[-4000:]  # the span regex is bounded but not linear
     span, numbers = _last_span(text), list(_NUMBER.finditer(text))
     if span and not (numbers and numbers[-1].start() > span[2]):  # "$\Delta x$ ... by 100%"
@@ -176,494 +159,407 @@ def extract_answer(text: str, last_number_fallback: bool = False) -> str | None:
     return numbers[-1].group().rstrip(",") if numbers else None
 
 
-def _gold_answer(gold) -> str:
-    gold = str(gold)
-    span = None if "$" not in gold and "\\(" not in gold and "\\[" not in gold else _last_span(gold)
-    return extract_answer(gold) or (span[1] if span else gold)
-
-
 # ------------------------------------------------------------------------------- normalisation
-_UNICODE = str.maketrans({"−": "-", "×": "*", "·": "*", "÷": "/", "≤": "\\le ", "≥": "\\ge ",
-                          "≠": "\\ne ", "π": "\\pi ", "∞": "\\infty ", "√": "\\sqrt", "∪": "\\cup ",
-                          "°": "", "\t": " ", "\n": " "})
-_UNWRAP = r"\\(?:text\w*|mbox|math\w+|operatorname|boxed|fbox)\s*\{([^{}]*)\}"
+_UNICODE = str.maketrans({"−": "-", "×": "*", "·": "*", "÷": "/", "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ",
+                          "π": "\\pi ", "∞": "\\infty ", "√": "\\sqrt", "∪": "\\cup ", "°": ""})
+_UNWRAP = r"\\(?:text\w*|mbox|math\w+|operatorname|boxed|fbox|overline|overrightarrow|vec|hat|widehat)\s*\{([^{}]*)\}"
+_UNIT = (r"(?:\s+(?:[A-Za-z]{2,}|[A-Za-z]+/[A-Za-z]+)|\s*(?:[ckm]m|kg|mg|ft|mi|mph|min|sec|hrs?|inch(?:es)?|feet|cups?"
+         r"|dollars?|cents?|units?|degrees?|meters?)(?:/[A-Za-z]+)?)\b(?:\^\{?\d\}?)?")  # 2xy keeps its xy
 _RULES = [(re.compile(p), r) for p, r in [
-    (r"\\[dtc]frac", r"\\frac"), (r"\\[dt]binom", r"\\binom"),
-    (r",\\!\s*|\{,\}", ","),  # 10,\!080 and 10{,}080 are thousands separators
-    (r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\.?", ""),
-    (r"(?<!\\)\\[,;:! ]|\\q?quad|\\displaystyle|~", " "),
+    (r"\\[dtc]frac", r"\\frac"), (r"\\[dt]binom", r"\\binom"), (r"\\sqrt\s*\[([^\]]*)\]", r"\\root{\1}"),
+    (r",\\!\s*|\{,\}", ","), (r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\.?", ""),
+    (r"\\([lg]e|ne)q?(?:slant)?(?![A-Za-z])", r"\\\1"),  # \leq, \leqslant -> \le
+    (r"(?<!\\)\\[,;:! ]|\\q?quad|\\displaystyle|~|\\angle", " "), (r"(?<=\d) (?=\d{3}\b)", ""),  # 1 000 000
+    (r"(?<=[\d}.])\s*\\(?:text\w*|mbox|mathrm)\s*\{\s*[A-Za-z][^{}]*\}(?:\^\{?\d\}?)?\s*$", ""),  # 4\text{ m}
+    (r"\\mathbb\s*\{?R\}?", r"(-\\infty, \\infty)"), (r"\\l(floor|ceil)\b", r"\\\1("), (r"\\r(?:floor|ceil)\b", ")"),
     (_UNWRAP, r"\1"), (_UNWRAP, r"\1"),  # twice: \text{\textbf{..}} nests
-    (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""),
-    (r"\\?%|\\?\$|[€£¥]", ""),
-    (r"\\begin\{[pbvBV]?matrix\}", r" \\matbegin "), (r"\\end\{[pbvBV]?matrix\}", r" \\matend "),
-    (r"^\s*[A-Za-z]\s*\\in\s*", ""),  # "x \in [0, 1)" is the interval
-    (r",?\s*\b(?:and|or)\b\s*", ","),  # "19, 46, and 82", "(1,2) or (2,1)"
-    (r"(?<=[\d}).])(?:\s*[A-Za-z]{2,}\b(?:\^\{?\d\}?)?)+\s*$", ""),  # units: "5 cm^2", "28 pct"
-    (r"(?<![\d.^_{}A-Za-z\\])(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}", r"(\1+\\frac{\2}{\3})"),  # 1\frac45
-    (r";", ","), (r",\s*,", ","),
-    (r"^[A-Za-z](?:_\{?\w{1,5}\}?)?\s*=\s*(?=[-\d.,/ ]+$)", ""),  # "x = 5" -> "5"; equations stay
+    (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""), (r"\s*(?:\\%|\b(?:percent(?:age)?|pct)\b)", "%"),
+    (r"\\?\$|[€£¥]", ""), (r"^\s*([A-Za-z])\s*\\approx", r"\1="), (r"\\approx.*", ""),  # x \approx 2; 1 \approx .9
+    (r"^\s*(?:[A-Za-z]|\([A-Za-z, ]+\))\s*\\in\s*", ""),  # "x \in [0, 1)" is the interval; "(x, y) \in \{..\}"
+    (r",?\s*\b(?:and|or)\b\s*", ","), (r";", ","), (r",\s*,", ","),  # "19, 46, and 82", "(1,2) or (2,1)"
+    (rf"(?<=[\d}}).%])(?:{_UNIT})+\s*$", ""),  # units: "5 cm^2", "5cm", "3 km/h", "2\frac12 hours"
+    (r"(?<![\d.^_{}A-Za-z\\])(\d+)\s*\\frac\s*(?:\{(\d+)\}|(\d))\s*(?:\{(\d+)\}|(\d))", r"(\1+\2\3/\4\5)"),  # 2\frac13
+    (r"^(-?)(\d+) +(\d+)/(\d+)$", r"\1(\2+\3/\4)"),  # 2 1/3 (math-verify reads 1 here)
+    (r":", "/"),  # a ratio 2:3 is 2/3, as in math-verify; so is 1:2:3 (1/2)/3, which is wrong but rare
 ]]
-_THOUSANDS = re.compile(r"(?<![\d.,(\[])\d{1,3}(?:,\d{3})+(?=$|[^\d,)\]])")
+_THOUSANDS = re.compile(r"(?<![\d.,(\[])[1-9]\d{0,2}(?:,\d{3})+(?=$|[^\d,)\]])")
 _PLAIN = re.compile(r"-?(?:\d{1,40}(?:\.\d{1,40})?|\.\d{1,40})(?:/\d{1,40})?")
+_MATRIX = re.compile(r"\\begin\{([pbBvV]?matrix|array)\}(?:\{[^{}]*\})?(.*?)\\end\{\1\}")
 
 
-def _normalize(s: str) -> str:
-    """String clean-up shared by prediction and gold; regexes without nested repeats, bounded text."""
+def _matrix(m):  # \begin{pmatrix} a & b \\ c & d \end{pmatrix} -> \mat(\row(a, b), \row(c, d)); vmatrix: det
+    rows = ", ".join(f"\\row({r.replace('&', ',')})" for r in m[2].split("\\\\") if r.strip())
+    return f"\\det(\\mat({rows}))" if m[1] == "vmatrix" else f"\\mat({rows})"
+
+
+def _normalize(s: str) -> str:  # string clean-up for prediction and gold: regexes without nested repeats
     s = str(s)[:MAX_TEXT].translate(_UNICODE)
     if len(s) > 4 * MAX_ANSWER:
         return s  # too long to be an answer; the parser refuses it
-    if "matrix" not in s and "&" not in s:
+    if "matrix" not in s and "array" not in s:
         s = s.replace("\\\\", "\\")  # text escaped twice: \\frac -> \frac
     for pattern, repl in _RULES:
         s = pattern.sub(repl, s)
-    s = s.strip().lstrip(",;:").rstrip(" .,;:")  # keep the dot of ".4"
-    if re.fullmatch(r"\d{1,3}(?: \d{3})+", s):  # 1 000 000
-        s = s.replace(" ", "")
-    if re.fullmatch(r"-?\d+,\d\d", s):  # decimal comma: 2,74
-        s = s.replace(",", ".")
+    s = _MATRIX.sub(_matrix, s).strip().lstrip(",;:").rstrip(" .,;:")  # keep the dot of ".4"
     s = _THOUSANDS.sub(lambda m: m.group().replace(",", ""), s)
-    if m := re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(\d+)\}", s):  # keep it on the fast path
-        s = f"{m[1]}{m[2]}/{m[3]}"
-    if re.fullmatch(r"\{[^{}]*\}|\([A-Za-z]\)", s):
-        s = s[1:-1]  # "{1, 2, 3}"; multiple choice "(C)"
-    return s.strip()
+    s = re.sub(r"^(-?)\\frac\{(-?\d+)\}\{(\d+)\}$", r"\1\2/\3", s)  # keep a plain fraction on the fast path
+    return s[1:-1].strip() if re.fullmatch(r"\{[^{}]*\}|\([A-Za-z]\)", s) else s  # "{1, 2, 3}"; choice "(C)"
 
 
-def _canon(s):
-    """Key for string equality: spaces only between two letters; words ignore case."""
+def _readings(answer: str) -> tuple:  # normalised readings: the answer is right if one matches a gold reading
+    s = _normalize(answer)
+    base = s.replace("%", "").strip()
+    whole, _, decimals = base.partition(",")
+    percent = s.endswith("%") and _PLAIN.fullmatch(base) and not re.search(r"/0+$", base)  # 28% is 28 or 0.28
+    comma = re.fullmatch(r"-?\d+,\d+", base) and (whole in ("0", "-0") or len(decimals) != 3)  # 2,5 or 0,125
+    return (base, *([str(Fraction(base) / 100)] if percent else []), *([f"{whole}.{decimals}"] if comma else []))
+
+
+def _canon(s):  # key for string equality: spaces only between two letters; words ignore case
     s = re.sub(r"\s(?![A-Za-z])|(?<![A-Za-z])\s", "", re.sub(r"\s+", " ", s))
     return s.lower() if re.fullmatch(r"[A-Za-z][A-Za-z ]*", s) else s
 
 
-def _quick_equal(pred, gold, rel_tol):
-    """True/False when decidable in-process without sympy; None means "ask a worker"."""
-    if not pred:
-        return False
-    if _canon(pred) == _canon(gold):
-        return True
-    if not (_PLAIN.fullmatch(pred) and _PLAIN.fullmatch(gold)):
+def _quick_equal(pred, gold, rel_tol):  # True/False when decidable without sympy; None: ask a worker
+    if _canon(pred) == _canon(gold) or not pred:
+        return bool(pred)
+    if not (_PLAIN.fullmatch(pred) and _PLAIN.fullmatch(gold)) or re.search(r"/0+( |$)", pred + " " + gold):
         return None
-    (a, _, da), (b, _, db) = pred.partition("/"), gold.partition("/")
-    if int(da or 1) == 0 or int(db or 1) == 0:
-        return None
-    a, b = Fraction(a) / int(da or 1), Fraction(b) / int(db or 1)
-    if "." in pred + gold:  # a decimal is an approximation, as Floats are in the worker
-        return abs(a - b) <= rel_tol * max(abs(a), abs(b))
-    return a == b
+    a, b = Fraction(pred), Fraction(gold)  # a decimal is an approximation, as Floats are in the worker
+    return abs(a - b) <= rel_tol * max(abs(a), abs(b)) if "." in pred + gold else a == b
 
 
 # ------------------------------------------------------------------------------------ parser
-class _Refused(ValueError):
-    """Input the parser will not handle: malformed, too big, or too costly to evaluate."""
-
-
 @dataclass(frozen=True)
 class _Rel:
     parts: tuple  # a < b <= c  ->  parts (a, b, c), ops ("<", "<=")
     ops: tuple
 
 
-_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?|\.\d+)|(\\[A-Za-z]+|\\[{}|]|\\\\)|_\{([^{}]{0,40})\}"
-                    r"|_([A-Za-z0-9])|([A-Za-z]+)|(<=|>=|!=|[-+*/^!(),\[\]{}=<>|&]))")
-_KINDS = ("num", "cmd", "sub", "sub", "word", "op")
-_RELOPS = {"=": "=", "<": "<", ">": ">", "<=": "<=", ">=": ">=", "!=": "!=", "\\le": "<=",
-           "\\leq": "<=", "\\leqslant": "<=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=",
-           "\\lt": "<", "\\gt": ">", "\\ne": "!=", "\\neq": "!="}
-_FUNCS = {"sin": "sin", "cos": "cos", "tan": "tan", "sec": "sec", "csc": "csc", "cot": "cot",
-          "arcsin": "asin", "arccos": "acos", "arctan": "atan", "ln": "log", "log": "log", "exp": "exp"}
-_STARTS_ATOM = {"(", "{", "\\{", "\\frac", "\\sqrt", "\\pi", "\\infty", "\\matbegin", "\\binom",
-                "\\sum"} | {"\\" + f for f in _FUNCS}
+_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?|\.\d+)|\\([A-Za-z]+)|([A-Za-z]+'*)"  # number, command, word
+                    r"|(<=|>=|!=|\\[{}]|[-+*/^!(),\[\]{}=<>|]))")  # symbol
+_SUB = re.compile(r"\s*_\s*(?:\{([^{}]{1,40})\}|(\w))")
+_OPS = {"=": "==", "<": "<", ">": ">", "<=": "<=", ">=": ">=", "!=": "!=", "\\le": "<=", "\\ge": ">=", "\\lt": "<",
+        "\\gt": ">", "\\ne": "!=", "+": "+", "-": "-", "*": "*", "\\cdot": "*", "\\times": "*", "/": "/", "\\div": "/",
+        "\\cup": "|", ",": ",", "^": "**", "!": "[_]"}  # n! is n[_], a subscript: it binds tighter than **
+_APPLY = {"sin", "cos", "tan", "sec", "csc", "cot", "arcsin", "arccos", "arctan", "ln", "log", "exp", "floor",
+          "ceil", "mat", "row", "det"}  # \sin x, \log_2 8; \mat(\row(a, b), ..) is written by _matrix
+_CONST = {"e": "Exp1", "i": "ImaginaryUnit", "pi": "Pi", "infty": "Infinity", "emptyset": "EmptySet",
+          "varnothing": "EmptySet", "True": "true", "False": "false"}
 
 
-def _tokenize(s):
-    depth = 0
-    for ch in s:  # refuse deep nesting before any recursion happens
-        depth += (ch in "([{") - (ch in ")]}")
-        if depth > MAX_DEPTH:
-            raise _Refused("nesting")
-    tokens, pos, s = [], 0, s.rstrip()
-    while pos < len(s):
+def _group(s, i):  # (argument at s[i:], index after it): a {balanced group}, a command or a character; or None
+    i += len(s[i:]) - len(s[i:].lstrip())
+    if s[i:i + 1] == "{":
+        depth = 0
+        for j in range(i, len(s)):
+            depth += (s[j] == "{") - (s[j] == "}")
+            if depth == 0:
+                return s[i + 1:j], j + 1
+    m = re.compile(r"\\[A-Za-z]+|[^\s{}]").match(s, i)
+    return (m.group(), m.end()) if m else (None, i)
+
+
+# LaTeX -> the text of a Python expression; `names` records what its names (v0, v1, ..) stand for. Juxtaposed
+# operands get a "*"; brackets become groups, tuples or intervals F_Interval(a, b, left_open, right_open);
+# \{..\} becomes F_set(..), |x| F_abs(x), n! n[_], \frac{a}{b} ((a)/(b)), and \sin 2x F_sin(2*x) (the argument
+# runs up to the next operator). The text holds no name, attribute or keyword taken from the answer.
+def _to_python(s, names):
+    out, stack, operand, pos = [], [["", 0, 0, ""]], False, 0  # [opener, index in out, commas, closing text]
+
+    def name(text):  # a number, constant or symbol under a name made here, for the walker to look up
+        names[f"v{len(names)}"] = (getattr(sympy.S, _CONST[text]) if text in _CONST else sympy.Symbol(text)
+                                   if not re.fullmatch(r"[\d.]+", text) else sympy.Float(text, max(15, len(text)))
+                                   if "." in text else sympy.Integer(text))
+        return f"v{len(names) - 1}"
+    while pos < len(s.rstrip()):
         if not (m := _TOKEN.match(s, pos)):
-            raise _Refused(f"unexpected {s[pos:pos + 10]!r}")
-        tokens.append((_KINDS[m.lastindex - 1], m.group(m.lastindex)))
-        pos = m.end()
-    return tokens
+            raise ValueError(f"unexpected {s[pos:pos + 10]!r}")
+        pos, (num, cmd, word, sym) = m.end(), m.groups()
+        tok, fn = "\\" + cmd if cmd else sym, (cmd or word) in _APPLY
+        if operand and not (num or word and not fn or cmd and not fn and tok not in _OPS or sym in tuple("^!([{")):
+            while stack[-1][0] == "fn":  # \sin 2x + 1: the argument ends before the "+"
+                out.append(stack.pop()[3])
+        if sub := (num or word or cmd) and _SUB.match(s, pos):
+            pos, sub = sub.end(), sub[1] or sub[2]
+        text, starts, ends = "", True, True  # by default the token is an operand
+        if num:
+            text = name(f"{num}_{sub}" if sub else num)  # 52_8: a numeral in base 8, an opaque name
+        elif fn:
+            close = f", {_to_python(sub, names)})" if sub else ")"  # \log_2 8
+            if s[pos:].lstrip().startswith("^"):  # \sin^2 x is (\sin x)^2
+                power, pos = _group(s, s.index("^", pos) + 1)
+                close += f"**({_to_python(power, names)})"
+            text, ends = f"F_{cmd or word}(", False
+            stack.append(["fn", len(out), 0, close])
+        elif word:  # "xy" is x*y; a longer word ("even", "Evelyn") is one name
+            letters = [word] if len(word) > 2 or word == "pi" else list(word)
+            letters[-1] += f"_{sub}" if sub else ""
+            text = " * ".join(map(name, letters))
+        elif cmd in ("frac", "binom", "root", "sqrt"):  # \frac{a}{b} -> ((a)/(b)); \sqrt2 -> F_sqrt((2))
+            args = []
+            for _ in range(1 if cmd == "sqrt" else 2):
+                arg, pos = _group(s, pos)
+                args.append(f"({_to_python(arg, names)})")
+            text = f"({args[0]}/{args[1]})" if cmd == "frac" else f"F_{cmd}({', '.join(args)})"
+        elif tok in _OPS:
+            stack[-1][2] += tok == ","
+            text, starts, ends = f" {_OPS[tok]} ", False, tok == "!"
+        elif tok in (")", "]", "}", "\\}") or tok == "|" and operand and stack[-1][0] == "|":
+            (kind, at, commas, _), text, starts = stack.pop(), ")", False
+            if kind + tok in ("[]", "[)", "(]") and commas == 1:  # [a, b) is an interval
+                out[at], text = out[at][:-1] + "F_Interval(", f", {name(str(kind == '('))}, {name(str(tok == ')'))})"
+        elif tok in ("(", "[", "{", "\\{", "|"):
+            text, ends = {"\\{": "F_set(", "|": "F_abs("}.get(tok, "("), False
+            stack.append([tok, len(out), 0, ")"])
+        elif cmd:  # \alpha, \theta: a name; \pi, \infty: a constant
+            text = name(cmd + (f"_{sub}" if sub else ""))
+        out.append(" * " + text if starts and operand else text)
+        operand = ends
+    while stack[-1][0] == "fn":
+        out.append(stack.pop()[3])
+    return "".join(out)  # unbalanced brackets leave unbalanced parentheses: ast.parse refuses them
 
 
-def _pow(base, exp):
-    if exp.is_Number and abs(exp) > 10_000 and base not in (0, 1, -1):
-        raise _Refused("exponent")
-    bits = max(abs(base.p), abs(base.q), 2).bit_length() if base.is_Rational else 0
-    if exp.is_Number and abs(float(exp)) * bits > MAX_BITS:  # size of the integer sympy would build
-        raise _Refused("power")
-    return sympy.Pow(base, exp)
+def _pow(base, exp):  # refused: x^(10^6), and powers whose integer would have more than MAX_BITS bits
+    bits = max(abs(base.p), abs(base.q), 2).bit_length() if base.is_Rational else 1
+    if exp.is_Number and base not in (0, 1, -1) and (abs(exp) > 10_000 or abs(float(exp)) * bits > MAX_BITS):
+        raise ValueError("power")
+    return base ** exp
 
 
-def _small_int(n):
-    """Argument of a factorial or binomial: a small integer, or symbolic."""
+def _small_int(n):  # the argument of a factorial or binomial: a small integer, or symbolic
     if n.is_number and not (n.is_Integer and 0 <= n <= MAX_FACTORIAL):
-        raise _Refused("factorial")
+        raise ValueError("factorial")
     return n
 
 
-class _Parser:
-    """Recursive descent over tokens; every node is built by a sympy constructor, never eval."""
-
-    def __init__(self, s):
-        if len(s) > MAX_ANSWER:
-            raise _Refused("length")
-        self.toks, self.i, self.depth = _tokenize(s), 0, 0
-
-    def parse(self):
-        items = self._list()
-        if self.i != len(self.toks):
-            raise _Refused(f"trailing {self._peek()!r}")
-        return items[0] if len(items) == 1 else items
-
-    def _peek(self):
-        return self.toks[self.i][1] if self.i < len(self.toks) else None
-
-    def _next(self):
-        if self.i >= len(self.toks):
-            raise _Refused("unexpected end")
-        self.i += 1
-        return self.toks[self.i - 1][1]
-
-    def _accept(self, text):
-        """Consume the next token if it is `text`."""
-        if self._peek() == text:
-            self.i += 1
-            return True
-        return False
-
-    def _expect(self, text):
-        if not self._accept(text):
-            raise _Refused(f"expected {text}")
-
-    def _list(self):  # a, b, c
-        items = [self._item()]
-        while self._accept(","):
-            items.append(self._item())
-        return items
-
-    def _item(self):  # A \cup B
-        value = self._relation()
-        while self._accept("\\cup"):
-            value = sympy.Union(_as_set(value), _as_set(self._relation()))
-        return value
-
-    def _relation(self):  # a < b <= c, x = y
-        parts, ops = [self._expr()], []
-        while self._peek() in _RELOPS:
-            ops.append(_RELOPS[self._next()])
-            parts.append(self._expr())
-        if ops and set(ops) == {"="} and len(parts) > 2:
-            parts, ops = [parts[0], parts[-1]], ["="]  # x = 5+5+1 = 11: the last value counts
-        return _Rel(tuple(parts), tuple(ops)) if ops else parts[0]
-
-    def _expr(self):
-        value = self._term()
-        while self._peek() in ("+", "-"):
-            value = value + self._term() if self._next() == "+" else value - self._term()
-        return value
-
-    def _term(self):
-        value = self._unary()
-        while True:
-            t = self._peek()
-            if t in ("*", "\\cdot", "\\times"):
-                self._next()
-                value = value * self._unary()
-            elif t in ("/", "\\div"):
-                self._next()
-                value = value / self._unary()
-            elif t in _STARTS_ATOM or (t and self.toks[self.i][0] in ("num", "word")):
-                value = value * self._power()  # implicit product: 2\pi r, (a+5)(b+2)
-            else:
-                return value
-
-    def _unary(self):
-        negative = False
-        while self._peek() in ("-", "+"):  # a loop, not recursion: "- - - 1" has no depth
-            negative ^= self._next() == "-"
-        value = self._power()
-        return -value if negative else value
-
-    def _power(self):
-        value = self._atom()
-        while self._accept("!"):
-            value = sympy.factorial(_small_int(value))
-        return _pow(value, self._unary()) if self._accept("^") else value
-
-    def _arg(self):
-        """A macro argument: {group}, or one character as in \\frac12 or \\sqrt2."""
-        kind, text = self.toks[self.i] if self.i < len(self.toks) else (None, None)
-        if kind == "num" and len(text) > 1:
-            self.toks[self.i] = (kind, text[1:])
-            return sympy.Integer(int(text[0]))
-        return self._atom()
-
-    def _atom(self):
-        self.depth += 1  # every nested bracket, argument or exponent passes through here
-        try:
-            if self.depth > MAX_DEPTH:
-                raise _Refused("depth")
-            kind, t = self.toks[self.i] if self.i < len(self.toks) else (None, None)
-            self._next()
-            sub = self._next() if self.i < len(self.toks) and self.toks[self.i][0] == "sub" else None
-            return self._atom_body(kind, t, sub)
-        finally:
-            self.depth -= 1
-
-    def _atom_body(self, kind, t, sub):
-        if kind == "num":
-            if len(t) > MAX_DIGITS:
-                raise _Refused("digits")
-            if sub:  # 52_8 is a numeral in base 8: an opaque name
-                return sympy.Symbol(f"{t}_{sub}")
-            return sympy.Float(t, max(15, len(t))) if "." in t else sympy.Integer(int(t))
-        if kind == "word":  # "xy" is x*y; a longer word ("even", "Evelyn") is one name
-            names = [t] if len(t) >= 3 else list(t)
-            names[-1] += f"_{sub}" if sub else ""
-            special = {"i": sympy.I, "e": sympy.E, "pi": sympy.pi}
-            return sympy.pi if t == "pi" else sympy.Mul(*[special.get(n) or sympy.Symbol(n) for n in names])
-        if t in ("(", "["):
-            items, close = self._list(), self._next()
-            if close not in (")", "]"):
-                raise _Refused("bracket")
-            if len(items) == 1 and t + close in ("()", "[]"):
-                return items[0]
-            if t + close == "()":
-                return tuple(items)
-            if len(items) != 2:
-                raise _Refused("interval")
-            return sympy.Interval(items[0], items[1], t == "(", close == ")")
-        if t in ("{", "\\{"):  # {group}; \{a, b\} is a set, kept as a list
-            items = self._list()
-            self._expect("}" if t == "{" else "\\}")
-            return list(items) if t == "\\{" or len(items) > 1 else items[0]
-        if t == "|":
-            value = self._expr()
-            self._expect("|")
-            return sympy.Abs(value)
-        if kind != "cmd":
-            raise _Refused(f"unexpected {t}")
-        constants = {"\\pi": sympy.pi, "\\infty": sympy.oo, "\\emptyset": sympy.S.EmptySet}
-        if t in constants:
-            return constants[t]
-        if t == "\\frac":
-            return self._arg() / self._arg()
-        if t == "\\binom":
-            return sympy.binomial(_small_int(self._arg()), self._arg())
-        if t == "\\sqrt":  # \sqrt{x}, \sqrt[3]{x}
-            if not self._accept("["):
-                return sympy.sqrt(self._arg())
-            index = self._expr()
-            self._expect("]")
-            return sympy.root(self._arg(), index)
-        if t == "\\matbegin":
-            rows, row = [], [self._item()]
-            while self._peek() in ("&", "\\\\"):
-                if self._next() == "&":
-                    row.append(self._item())
-                else:
-                    rows.append(row)
-                    row = [self._item()] if self._peek() != "\\matend" else []
-            self._expect("\\matend")
-            return sympy.ImmutableMatrix(rows + [row] if row else rows)
-        if t == "\\sum" and sub and "=" in sub:  # \sum_{k=0}^{n-1} term
-            var, low = sub.split("=", 1)
-            self._expect("^")
-            high = self._arg()
-            return sympy.Sum(self._term(), (sympy.Symbol(var.strip()), _Parser(low).parse(), high))
-        if t and t[1:] in _FUNCS:
-            power = self._arg() if self._accept("^") else None  # \sin^2 x
-            arg = self._atom() if self._peek() == "(" else self._power()
-            f = getattr(sympy, _FUNCS[t[1:]])
-            value = f(arg, _Parser(sub).parse()) if t == "\\log" and sub else f(arg)
-            return value if power is None else _pow(value, power)
-        raise _Refused(f"unknown {t}")
+def _expr(x):
+    if not isinstance(x, (sympy.Expr, sympy.MatrixBase)):
+        raise TypeError("arithmetic on a list, set or relation")
+    return x
 
 
-def _parse_answer(s):
-    """Normalised answer -> sympy object, tuple, list (unordered) or _Rel."""
+@lru_cache(maxsize=1)
+def _functions():
+    S = sympy
+    f = {k: getattr(S, k) for k in ("sin", "cos", "tan", "sec", "csc", "cot", "log", "exp", "floor", "sqrt")}
+    f |= {"arcsin": S.asin, "arccos": S.acos, "arctan": S.atan, "ln": S.log, "ceil": S.ceiling, "abs": S.Abs,
+          "set": lambda *xs: list(xs), "root": lambda n, x: S.root(x, n), "det": lambda m: m.det(),
+          "binom": lambda n, k: S.binomial(_small_int(n), k), "row": lambda r: r if isinstance(r, tuple) else (r,),
+          "mat": lambda r: S.ImmutableMatrix([*map(list, r)] if isinstance(r[0], tuple) else [list(r)]),
+          "Interval": S.Interval}
+    return {"F_" + k: v for k, v in f.items()}
+
+
+_ARITH = {ast.Add: "__add__", ast.Sub: "__sub__", ast.Mult: "__mul__", ast.Div: "__truediv__", ast.Pow: None}
+_CMP = {ast.Eq: "=", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
+
+
+# A sympy object, tuple, list or _Rel from a node of the text _to_python wrote. Only these node types are
+# accepted, and only the names _to_python made; nothing is compiled or evaluated by Python. Recursion is
+# bounded by the answer's length (a RecursionError would only mean "not equal").
+def _build(node, names):
+    sub = partial(_build, names=names)
+    t, op = type(node), type(getattr(node, "op", None))
+    if t is ast.Name and node.id in names:
+        return names[node.id]
+    if t is ast.BinOp and op is ast.BitOr:  # \cup
+        return sympy.Union(_as_set(sub(node.left)), _as_set(sub(node.right)))
+    if t is ast.BinOp and op in _ARITH:
+        a, b = _expr(sub(node.left)), _expr(sub(node.right))
+        return _pow(a, b) if op is ast.Pow else getattr(a, _ARITH[op])(b)
+    if t is ast.UnaryOp and op in (ast.USub, ast.UAdd):
+        return -_expr(sub(node.operand)) if op is ast.USub else _expr(sub(node.operand))
+    if t is ast.Call and type(node.func) is ast.Name and node.func.id in _functions() and not node.keywords:
+        return _functions()[node.func.id](*map(sub, node.args))
+    if t is ast.Subscript and type(node.slice) is ast.Name and node.slice.id == "_":  # n!
+        return sympy.factorial(_small_int(_expr(sub(node.value))))
+    if t in (ast.Tuple, ast.List):
+        return (tuple if t is ast.Tuple else list)(map(sub, node.elts))
+    if t is ast.Compare:
+        return _Rel(tuple(map(sub, [node.left, *node.comparators])), tuple(_CMP[type(o)] for o in node.ops))
+    raise ValueError(f"node {t.__name__}")
+
+
+def _parse(s):  # normalised answer -> sympy object, tuple, list (in any order) or _Rel
     global sympy
     import sympy
-    if "\\approx" in s:  # "x \approx 11" -> 11, "1/3 \approx 0.33" -> 1/3
-        pieces = [p for p in s.split("\\approx") if p.strip()]
-        s = pieces[-1] if re.fullmatch(r"\s*[A-Za-z]\s*", pieces[0]) else pieces[0]
+    if len(s) > MAX_ANSWER or max(itertools.accumulate((c in "([{") - (c in ")]}") for c in s), default=0) > MAX_DEPTH:
+        raise ValueError("too long or too deeply nested")  # before any recursion
     pieces = re.split(r"\\pm|\\mp", s)
     if len(pieces) > 4:
-        raise _Refused("too many \\pm")
-    if len(pieces) == 1:
-        return _Parser(s).parse()
+        raise ValueError("too many \\pm")
     values = []  # 1 \pm \sqrt{19} is the list of both values
     for signs in itertools.product("+-", repeat=len(pieces) - 1):
-        value = _Parser(pieces[0] + "".join(map("".join, zip(signs, pieces[1:])))).parse()
-        values.extend(value if isinstance(value, list) else [value])
-    return values
+        names = {}
+        code = _to_python(pieces[0] + "".join(map("".join, zip(signs, pieces[1:]))), names)
+        items = _build(ast.parse(f"[{code}]", mode="eval").body, names)
+        values.append(items[0] if len(items) == 1 else items)
+    return values[0] if len(values) == 1 else [x for v in values for x in (v if isinstance(v, list) else [v])]
 
 
 # -------------------------------------------------------------------------------- comparison
-def _numeric_close(a, b, tol):
-    """True/False from values at two sample points; None if they cannot be computed."""
+def _numeric_close(a, b, tol):  # True/False from values at two sample points; None if they cannot be computed
     syms = sorted(a.free_symbols | b.free_symbols, key=str)
-    if len(syms) > 20:
-        return None
     try:
-        for k in (1, 2):  # distinct, irrational-looking values in (0.25, 1.25) for every symbol
+        for k in (1, 2) if len(syms) <= 20 else ():  # distinct, irrational-looking values in (0.25, 1.25)
             subs = {x: 0.25 + ((i + 1) * (0.7548776662 + 0.3141592 * k)) % 1 for i, x in enumerate(syms)}
             x, y = a.evalf(30, subs=subs), b.evalf(30, subs=subs)
             if not (x.is_number and y.is_number and x.is_finite and y.is_finite):
                 return None  # compare sympy Floats: 1e1989 must not overflow to inf == inf
             if not bool(abs(x - y) <= tol * max(abs(x), abs(y)) + 1e-15):
                 return False
-        return True
+        return len(syms) <= 20 or None  # too many symbols to trust two points: ask simplify
     except (TypeError, ValueError, ArithmeticError):
         return None
 
 
 def _same_expr(a, b, tol):
-    if not (isinstance(a, sympy.Expr) and isinstance(b, sympy.Expr)):
+    if not (isinstance(a, sympy.Expr) and isinstance(b, sympy.Expr)) or a == b:
         return a == b
-    if a == b:
-        return True
     if a.has(sympy.nan, sympy.zoo) or b.has(sympy.nan, sympy.zoo) or (a.is_Rational and b.is_Rational):
         return False  # 1/0; or exact numbers that differ (no tolerance for 1000000 vs 1000001)
     close = _numeric_close(a, b, tol)
     return close if close is not None else sympy.simplify(a - b) == 0
 
 
+def _is_eq(x):  # an equation, or a chain of them: x = 2 + 3 = 5
+    return isinstance(x, _Rel) and set(x.ops) == {"="}
+
+
+def _is_name(e):  # x, f(x), AB/BC, m+n, (p, q): made of symbols only, it names a value (as in math-verify)
+    if isinstance(e, tuple) or not isinstance(e, sympy.Expr) or e.is_Symbol:
+        return isinstance(e, sympy.Symbol) or isinstance(e, tuple) and bool(e) and all(map(_is_name, e))
+    parts = e.args[:1] if e.is_Pow and e.exp == -1 else e.args if e.is_Add or e.is_Mul or e.is_Function else ()
+    return bool(parts) and all(map(_is_name, parts))
+
+
+# [x=1, y=2, x=3, y=4] -> [(1, 2), (3, 4)]: a tuple per solution, its variables in name order, so that
+# "y = 2, x = 1" is the pair (1, 2). math-verify keeps the written order and flattens "x=1, y=2 and x=3, y=4".
+def _solutions(x):
+    if not (isinstance(x, list) and all(_is_eq(e) and isinstance(e.parts[0], sympy.Symbol) for e in x)):
+        return x
+    runs = []
+    for e in x:
+        runs += [{}] if not runs or e.parts[0] in runs[-1] else []
+        runs[-1][e.parts[0]] = e.parts[-1]
+    solutions = [tuple(r[k] for k in sorted(r, key=str)) for r in runs]
+    return x if len(runs[0]) < 2 else solutions[0] if len(solutions) == 1 else solutions  # x = 2, x = 3: a list
+
+
 def _as_set(x):
-    if isinstance(x, tuple) and len(x) == 2:
+    if isinstance(x, _Rel) or isinstance(x, list) and x and all(isinstance(e, _Rel) for e in x):
+        return sympy.Union(*map(_rel_to_set, x if isinstance(x, list) else [x]))  # x < -2 or x > 2
+    if type(x) is tuple and len(x) == 2:
         return sympy.Interval.open(*x)  # (a, b) is a point or an open interval; here the interval
-    if isinstance(x, (list, sympy.Expr)):
-        return sympy.FiniteSet(*(x if isinstance(x, list) else [x]))
-    return _rel_to_set(x) if isinstance(x, _Rel) else x
+    return sympy.FiniteSet(*(x if isinstance(x, list) else [x])) if isinstance(x, (list, sympy.Expr)) else x
 
 
-def _oriented(r):
-    """a > b >= c  ->  c <= b < a, so that equal relations have equal parts and ops."""
-    if r.ops and all(op in (">", ">=") for op in r.ops):
-        return _Rel(r.parts[::-1], tuple(op.replace(">", "<") for op in r.ops[::-1]))
-    return r
+def _oriented(r):  # a > b >= c  ->  c <= b < a, so that equal relations have equal parts and ops
+    flip = r.ops and all(op in (">", ">=") for op in r.ops)
+    return _Rel(r.parts[::-1], tuple(op.replace(">", "<") for op in r.ops[::-1])) if flip else r
 
 
-def _rel_to_set(r):
-    r = _oriented(r)
-    if not all(op in ("<", "<=") for op in r.ops):
-        raise _Refused("not an inequality")
+def _rel_to_set(r):  # x > 3 -> (3, oo); 1 <= |z| <= 3/2 and x != 1 are solved for x
+    r, relations = _oriented(r), {"<": sympy.Lt, "<=": sympy.Le, "!=": sympy.Ne}
     syms = set().union(*(p.free_symbols for p in r.parts))
-    if len(r.parts) == 3 and (len(syms) != 1 or r.parts[1].is_Symbol):  # 0 < f(x) < 1
+    if not all(op in relations for op in r.ops) or len(syms) != 1 and len(r.parts) != 3:
+        raise ValueError("not an inequality in one variable")
+    if len(r.parts) == 3 and "!=" not in r.ops and (len(syms) != 1 or r.parts[1].is_Symbol):  # 0 < f(x) < 1
         return sympy.Interval(r.parts[0], r.parts[2], r.ops[0] == "<", r.ops[1] == "<")
-    if len(syms) != 1:
-        raise _Refused("not one variable")
     x, result = syms.pop(), sympy.S.Reals
-    for low, op, high in zip(r.parts, r.ops, r.parts[1:]):  # 1 <= |z| <= 3/2 needs solving
-        rel = sympy.Lt(low, high) if op == "<" else sympy.Le(low, high)
-        result = result.intersect(sympy.solveset(rel, x, sympy.S.Reals))
+    for low, op, high in zip(r.parts, r.ops, r.parts[1:]):
+        result &= sympy.solveset(relations[op](low, high), x, sympy.S.Reals)
     return result
 
 
-def _is_name(e):
-    """x, f(x), |AB|, (p, q): the left side of an equation that only names the answer."""
-    if isinstance(e, tuple):
-        return all(_is_name(x) for x in e)
-    return isinstance(e, sympy.Expr) and bool(e.free_symbols) and not e.atoms(sympy.Number)
+# Relations: an interval or union against an inequality in one variable, in both directions (math-verify only
+# when the prediction is the set, unless its set/relation option is on); equations up to a constant factor;
+# inequalities once both point the same way, as written or times -1. math-verify compares the relations of a
+# chain pairwise, so it finds 5 > x > 2 unequal to 2 < x < 5; orienting first fixes that.
+def _same_rel(g, p, tol):
+    if not (isinstance(g, _Rel) and isinstance(p, _Rel)):  # x > 3 against (3, \infty)
+        other = p if isinstance(g, _Rel) else g
+        return isinstance(other, (tuple, list, sympy.Set)) and _same(_as_set(g), _as_set(p), tol)
+    if _is_eq(g) and _is_eq(p):  # both sides the same, or the same equation times a constant
+        (l1, r1), (l2, r2) = [(next(filter(_is_name, r.parts[:-1]), r.parts[0]), r.parts[-1]) for r in (g, p)]
+        if (_same(l1, l2, tol) and _same(r1, r2, tol)) or (_same(l1, r2, tol) and _same(r1, l2, tol)):
+            return True
+        ratio = sympy.simplify((_expr(l1) - _expr(r1)) / (_expr(l2) - _expr(r2)))  # 2x+4y-3=0 is y=-x/2+3/4
+        return bool(ratio.is_number and ratio.is_finite and ratio != 0)
+    g, p = _oriented(g), _oriented(p)
+    flipped = _Rel(tuple(-_expr(x) for x in p.parts[::-1]), p.ops[::-1])  # -5 < -x < -2 is 2 < x < 5
+    return any(c.ops == g.ops and all(_same(x, y, tol) for x, y in zip(g.parts, c.parts)) for c in (p, flipped))
 
 
-def _same_rel(a, b, tol):
-    if isinstance(a, _Rel) and isinstance(b, _Rel):
-        if a.ops == b.ops == ("=",):
-            (l1, r1), (l2, r2) = a.parts, b.parts
-            if (_same(l1, l2, tol) and _same(r1, r2, tol)) or (_same(l1, r2, tol) and _same(r1, l2, tol)):
-                return True
-            if not all(isinstance(p, sympy.Expr) for p in a.parts + b.parts):
-                return False
-            ratio = sympy.simplify((l1 - r1) / (l2 - r2))  # 2x+4y-3=0 is y=-x/2+3/4
-            return bool(ratio.is_number and ratio.is_finite and ratio != 0)
-        a, b = _oriented(a), _oriented(b)
-        return a.ops == b.ops and all(_same(x, y, tol) for x, y in zip(a.parts, b.parts))
-    r, other = (a, b) if isinstance(a, _Rel) else (b, a)
-    if r.ops == ("=",) and _is_name(r.parts[0]):
-        return _same(r.parts[1], other, tol)
-    return isinstance(other, (tuple, sympy.Set)) and _same(_rel_to_set(r), other, tol)
-
-
-def _same(a, b, tol):
-    """Equality of parsed answers, recursing through their structure."""
-    if isinstance(a, _Rel) or isinstance(b, _Rel):
-        return _same_rel(a, b, tol)
-    if isinstance(a, list) or isinstance(b, list):
-        xs, ys = [list(v) if isinstance(v, (list, tuple)) else [v] for v in (a, b)]
-        if isinstance(a, tuple) or isinstance(b, tuple):  # a tuple fixes the order
-            return len(xs) == len(ys) and all(_same(x, y, tol) for x, y in zip(xs, ys))
-        return (all(any(_same(x, y, tol) for y in ys) for x in xs)
-                and all(any(_same(x, y, tol) for x in xs) for y in ys))
-    if isinstance(a, sympy.Set) or isinstance(b, sympy.Set):
-        a, b = _as_set(a), _as_set(b)
-        if isinstance(a, sympy.Interval) and isinstance(b, sympy.Interval):
-            return (a.left_open, a.right_open) == (b.left_open, b.right_open) and \
-                _same_expr(a.start, b.start, tol) and _same_expr(a.end, b.end, tol)
-        if type(a) is type(b) and isinstance(a, (sympy.Union, sympy.FiniteSet)):
-            return _same(list(a.args), list(b.args), tol)
-        return a == b
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and \
-            all(_same(x, y, tol) for x, y in zip(a, b))
-    if isinstance(a, sympy.MatrixBase) or isinstance(b, sympy.MatrixBase):
-        return isinstance(a, sympy.MatrixBase) and isinstance(b, sympy.MatrixBase) and \
-            a.shape == b.shape and all(_same_expr(x, y, tol) for x, y in zip(a, b))
-    return _same_expr(a, b, tol)
-
-
-def _equivalent(pred: str, gold: str, rel_tol: float) -> bool:
-    """Parse and compare two normalised answers. May be slow: only call it in a worker."""
+def _same(g, p, tol):  # is the prediction p the gold g (strings or parsed)? Asymmetric where math-verify is
     try:
-        a, b = _parse_answer(pred), _parse_answer(gold)
-        return bool(_same(a, b, rel_tol))
+        if isinstance(g, str):
+            g, p = _parse(g), _parse(p)
+        if _is_eq(p) and not isinstance(g, _Rel):
+            p = p.parts[-1]  # "x = 2 + 3 = 5" answers 5
+        elif _is_eq(g) and not isinstance(p, _Rel) and any(map(_is_name, g.parts[:-1])):
+            g = g.parts[-1]  # a gold that names its value: "f(x) = 2x+1", "AB:BC = 2:3", "2 + 3 = n = 5"
+        if isinstance(g, _Rel) or isinstance(p, _Rel):
+            return _same_rel(g, p, tol)
+        tuples = [isinstance(v, tuple) or isinstance(v, list) and any(isinstance(e, tuple) for e in v) for v in (g, p)]
+        g, p = _solutions(g) if tuples[1] else g, _solutions(p) if tuples[0] else p
+        if isinstance(g, sympy.Set) or isinstance(p, sympy.Set):
+            g, p = _as_set(g), _as_set(p)  # intervals by (start, end, left_open, right_open); unions by parts
+            return g == p or type(g) is type(p) and _same(tuple(g.args) if g.is_Interval else list(g.args),
+                                                          tuple(p.args) if p.is_Interval else list(p.args), tol)
+        if isinstance(g, list) or isinstance(p, list):
+            xs, ys = [list(v) if isinstance(v, (list, tuple)) else [v] for v in (g, p)]
+            if isinstance(g, tuple) or isinstance(p, tuple):  # a tuple fixes the order
+                return len(xs) == len(ys) and all(_same(x, y, tol) for x, y in zip(xs, ys))
+            return (all(any(_same(x, y, tol) for y in ys) for x in xs)
+                    and all(any(_same(x, y, tol) for x in xs) for y in ys))
+        if isinstance(g, (tuple, sympy.MatrixBase)) or isinstance(p, (tuple, sympy.MatrixBase)):  # in order, same shape
+            shapes = [getattr(v, "shape", len(v) if isinstance(v, tuple) else None) for v in (g, p)]
+            return shapes[0] == shapes[1] and all(_same(x, y, tol) for x, y in zip(g, p))
+        return _same_expr(g, p, tol)
     except Exception:  # noqa: BLE001 -- refused input or any sympy error means "not equal"
         return False
 
 
+def _equivalent(preds, golds, rel_tol: float) -> bool:  # may be slow: only call it in a worker
+    return any(_quick_equal(p, g, rel_tol) or _same(g, p, rel_tol) for p, g in itertools.product(preds, golds))
+
+
 # ------------------------------------------------------------------------------ worker pool
+# Persistent worker processes with a hard deadline per job: a worker past it is killed, reaped and replaced.
+# Protocol: "ready" once, then one JSON job in and one "1"/"0" out; a worker never has two messages in flight,
+# and each is a single atomic pipe write.
 class _Pool:
-    """Persistent worker processes with a hard deadline per job: a worker past it is killed,
-    reaped and replaced. Protocol: "ready" once, then one JSON job in and one "1"/"0" out; a
-    worker never has two messages in flight, and each is a single atomic pipe write."""
-
     def __init__(self, n):
-        self.procs = [self._spawn() for _ in range(n)]
-        self.ready = set()  # pids that have imported sympy
+        self.procs, self.ready, self.busy = [self._spawn() for _ in range(n)], set(), {}  # ready: pids; busy: p -> job
 
-    def _spawn(self):
-        return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, bufsize=0)
+    def _spawn(self):  # a fresh interpreter: it inherits no torch threads and never re-imports __main__
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
 
     def _replace(self, p):
         p.kill()
         p.wait()  # reap it: no zombies
         self.ready.discard(p.pid)
+        self.busy.pop(p, None)
         self.procs[self.procs.index(p)] = self._spawn()
 
-    def run(self, jobs, timeout):
-        """Verdict per job: True/False, or None if it timed out or its worker died."""
-        results, todo, busy, started = [None] * len(jobs), list(range(len(jobs)))[::-1], {}, time.monotonic()
-        while todo or busy:
-            for p in list(self.procs):
-                if todo and p.pid in self.ready and p not in busy:
-                    i = todo.pop()
-                    try:
-                        p.stdin.write((json.dumps(jobs[i]) + "\n").encode())
-                        busy[p] = (i, time.monotonic() + timeout)
-                    except OSError:  # it died while idle
-                        todo.append(i)
-                        self._replace(p)
-            if not busy and not self.ready and time.monotonic() - started > 60:
-                break  # workers cannot start at all: the remaining jobs stay None
+    # (verdict per job: True/False, or None if it timed out, its worker died or the budget ran out; how many
+    # jobs the budget left unanswered). Workers still busy when the budget ends are killed.
+    def run(self, jobs, timeout, budget):
+        results, todo, busy = [None] * len(jobs), list(range(len(jobs)))[::-1], self.busy
+        stop = time.monotonic() + budget
+        while (todo or busy) and time.monotonic() < stop:
+            for p in [p for p in self.procs if p.pid in self.ready and p not in busy][:len(todo)]:
+                try:
+                    p.stdin.write((json.dumps(jobs[todo[-1]]) + "\n").encode())
+                    busy[p] = (todo.pop(), time.monotonic() + timeout)
+                except OSError:  # it died while idle
+                    self._replace(p)
             waiting = {p.stdout: p for p in self.procs if p in busy or p.pid not in self.ready}
-            until = min((d for _, d in busy.values()), default=time.monotonic() + 1)
+            until = min([d for _, d in busy.values()] + [stop, time.monotonic() + 1])
             for f in select.select(list(waiting), [], [], max(0.0, until - time.monotonic()))[0]:
                 p, line = waiting[f], os.read(f.fileno(), 64)
                 if line.startswith(b"ready"):
@@ -671,22 +567,18 @@ class _Pool:
                 elif line and p in busy:
                     results[busy.pop(p)[0]] = line.startswith(b"1")
                 else:  # EOF: the worker crashed (for example at its memory cap)
-                    busy.pop(p, None)
                     self._replace(p)
-            for p, (i, deadline) in list(busy.items()):
-                if time.monotonic() > deadline:
-                    del busy[p]
-                    self._replace(p)
-        return results
+            for p in [p for p, (_, deadline) in busy.items() if time.monotonic() > deadline]:
+                self._replace(p)
+        unanswered = len(todo) + len(busy)
+        for p in list(busy):
+            self._replace(p)
+        return results, unanswered
 
     def close(self):
         for p in self.procs:
-            try:
-                p.stdin.close()  # a worker exits at EOF
-                p.wait(timeout=1)
-            except (OSError, subprocess.TimeoutExpired):
-                p.kill()
-                p.wait()
+            p.kill()
+            p.wait()
 
 
 _pool: _Pool | None = None  # one per process: started on first use, closed at exit
@@ -701,16 +593,15 @@ def _run_jobs(jobs, cfg):
                 _pool.close()
             _pool = _Pool(max(1, cfg.workers))
             atexit.register(_pool.close)
-        return _pool.run(jobs, cfg.timeout)
+        return _pool.run(jobs, cfg.timeout, cfg.batch_budget)
 
 
-def _serve():
-    """Worker loop (python rewards.py --worker)."""
+def _serve():  # the worker loop: python rewards.py --worker
     import resource
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a runaway job dies, not the host
-    _equivalent("1 \\le |x| \\le 2", "[-2, -1] \\cup [1, 2]", 1e-6)  # import sympy, solveset and
+    _equivalent(["1 \\le |x| \\le 2"], ["[-2, -1] \\cup [1, 2]"], 1e-6)  # import sympy, solveset and
     sympy.simplify(sympy.sin(sympy.Symbol("x")) ** 2 - 1)  # simplify's lazy imports before any deadline
     os.write(1, b"ready\n")  # one write per message: the parent's single os.read sees it whole
     for line in sys.stdin:
@@ -719,36 +610,32 @@ def _serve():
 
 # -------------------------------------------------------------------------------- public API
 @lru_cache(maxsize=4096)
-def _gold_normalized(gold: str) -> str:
-    return _normalize(_gold_answer(gold))  # the G completions of a group share one gold
+def _gold_readings(gold: str) -> tuple:  # cached: the G completions of a group share one gold
+    return _readings(extract_answer(gold) or (_last_span(gold) or (0, gold))[1])  # boxed, "$..$", else as is
 
 
 def score_batch(completions: list[str], golds: list, cfg: RewardConfig) -> tuple[list[float], list[bool], dict]:
     """Rewards, correctness and metrics for a batch; plain numbers never leave this process."""
     t0 = time.perf_counter()
     answers = [extract_answer(c, cfg.last_number_fallback) for c in completions]
-    correct, jobs, where = [False] * len(answers), [], []
-    for i, (answer, gold) in enumerate(zip(answers, golds)):
-        if answer is not None:
-            pred, gold = _normalize(answer), _gold_normalized(str(gold))
-            correct[i] = _quick_equal(pred, gold, cfg.rel_tol)
-            if correct[i] is None:
-                jobs.append((pred, gold, cfg.rel_tol))
-                where.append(i)
+    readings = [(_readings(a), _gold_readings(str(g))) if a is not None else ((), ()) for a, g in zip(answers, golds)]
+    verdicts = [[_quick_equal(p, g, cfg.rel_tol) for p in preds for g in gold] for preds, gold in readings]
+    correct = [True in v for v in verdicts]
+    where = [i for i, v in enumerate(verdicts) if None in v and not correct[i]]  # undecided: ask a worker
+    jobs = [(*readings[i], cfg.rel_tol) for i in where]
     try:
-        results = _run_jobs(jobs, cfg) if jobs else []
+        results, over_budget = _run_jobs(jobs, cfg) if jobs else ([], 0)
     except OSError:  # workers could not be started: everything sent counts as a timeout
-        results = [None] * len(jobs)
+        results, over_budget = [None] * len(jobs), 0
     for i, result in zip(where, results):
         correct[i] = bool(result)
     rewards = [(cfg.no_answer if a is None else cfg.correct if ok else cfg.wrong)
                + (cfg.format_bonus if _BOX.search(str(c)[-MAX_TEXT:]) else 0.0)
                for a, ok, c in zip(answers, correct, completions)]
     n = max(1, len(answers))
-    return rewards, correct, {"reward/timeouts": sum(r is None for r in results),
-                              "reward/no_answer_frac": sum(a is None for a in answers) / n,
-                              "reward/correct_frac": sum(correct) / n,
-                              "reward/worker_frac": len(jobs) / n,
+    return rewards, correct, {"reward/timeouts": sum(r is None for r in results) - over_budget,
+                              "reward/over_budget": over_budget, "reward/no_answer_frac": answers.count(None) / n,
+                              "reward/correct_frac": sum(correct) / n, "reward/worker_frac": len(jobs) / n,
                               "reward/verify_seconds": time.perf_counter() - t0}
 
 
@@ -768,11 +655,6 @@ def verify(completion: str, gold: str, rel_tol: float = 1e-6, timeout: float = 2
         return score_batch([completion], [gold], cfg)[1][0]
     except Exception:  # noqa: BLE001 -- the contract is to never raise
         return False
-
-
-def math_reward(completion: str, gold: str, cfg: RewardConfig) -> float:
-    """The scalar reward GRPO optimises; evaluation reads the same verdicts from score_batch."""
-    return score_batch([completion], [gold], cfg)[0][0]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
