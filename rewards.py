@@ -65,22 +65,15 @@ class RewardConfig:
     """the penalty reaches −overlong_factor at rollout.max_new_tokens, falling linearly across the buffer"""
 
     def check(self) -> list[tuple[bool, str]]:
-        return [(self.overlong_buffer >= 0, f"reward.overlong_buffer must be ≥ 0 (0 = off), got {self.overlong_buffer}"),
-                (0 <= self.overlong_factor < 1e6, f"reward.overlong_factor must be ≥ 0, got {self.overlong_factor}"),
-                (0 < self.timeout < 1e6, f"reward.timeout must be > 0, got {self.timeout}"),
-                (self.workers >= 1, f"reward.workers must be ≥ 1, got {self.workers}"),
-                (0 <= self.rel_tol < 1, f"reward.rel_tol must be in [0, 1), got {self.rel_tol}")]
-
-    def check(self) -> list[tuple[bool, str]]:
         """(condition, message naming the key) for every field whose value could be nonsense; never raises."""
         num = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
                for k, v in vars(self).items()}  # nan for what is not a number: every comparison with it is False
         rules = {k: (0 < num[k] < math.inf, "> 0 and finite") for k in ("timeout", "batch_budget")}
-        rules |= {"workers": (isinstance(self.workers, int) and num["workers"] >= 1, "an integer >= 1"),
-                  "rel_tol": (0 <= num["rel_tol"] < math.inf, ">= 0 and finite")}
+        rules |= {k: (isinstance(getattr(self, k), int) and num[k] >= n, f"an integer ≥ {n}")
+                  for k, n in (("workers", 1), ("overlong_buffer", 0))}
+        rules |= {k: (0 <= num[k] < math.inf, "≥ 0 and finite") for k in ("rel_tol", "overlong_factor")}
         rules |= {k: (math.isfinite(num[k]), "finite") for k in ("correct", "wrong", "no_answer", "format_bonus")}
         return [(bool(ok), f"reward.{k} must be {rule}, got {getattr(self, k)!r}") for k, (ok, rule) in rules.items()]
-
 
 MAX_TEXT = 20_000  # only the tail of a completion is searched: the final answer is at the end
 MAX_ANSWER = 400  # longest answer we parse, which bounds every literal (MATH-500 answers have at most 53 characters)
