@@ -268,11 +268,11 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     was_training, own = model.training, model.generation_config
     model.eval()
     device = next(model.parameters()).device
-    gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=stop,
+    gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=stop or None,
                                max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     model.generation_config = GenerationConfig()  # nothing of the model's own settings fills what gen_cfg leaves unset
     expanded = [p for p in prompts for _ in range(cfg.group_size)]
-    rows, texts, stop_t = [], [], torch.tensor(stop, device=device)
+    rows, texts, stop_t = [], [], torch.tensor(stop, dtype=torch.long, device=device)
     try:
         for start in range(0, len(expanded), cfg.gen_batch_size):
             chunk = expanded[start : start + cfg.gen_batch_size]

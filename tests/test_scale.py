@@ -393,3 +393,25 @@ def test_fsdp_sigkill_then_resume_is_bit_identical(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(*sys.argv[2:5])
+
+
+# ---------------------------------------------------------------------------------------------- bench/gpu_check.py
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_gpu_check_without_a_gpu_prints_one_line_and_exits_2():
+    r = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 2 and r.stdout.count("\n") == 1 and "no GPU is visible" in r.stdout and not r.stderr.strip()
+
+
+def test_gpu_check_logic_on_the_cpu():
+    """The same checks, run on this CPU through a hidden flag: the lr 1e-6 step moves the weights, the bf16 gap is
+    measured and bounded, and a bound it exceeds makes it exit 1."""
+    cmd = [sys.executable, "bench/gpu_check.py", "--allow-cpu", "--model.path", str(REPO / "data" / "tiny_model"),
+           "--max-new-tokens", "12", "--prompts", "2", "--steps", "1"]
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert "moved 100.00 % of the weights" in r.stdout and "gpu_check: OK" in r.stdout
+    r = subprocess.run(cmd + ["--max-gap", "0"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 1 and "gpu_check: FAILED" in r.stdout

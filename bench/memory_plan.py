@@ -1,0 +1,176 @@
+"""Memory per GPU for the paper configs, from a formula you can check, and a CPU measurement that checks it.
+
+Usage:
+  python bench/memory_plan.py                      # the README table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
+  python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model trained a few steps on this CPU:
+                                                   # peak RSS against the formula's CPU figure (~5 min, ~9 GB of RAM)
+
+The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N GPUs sharing them under fsdp):
+  weights      4·P        float32 master weights            (/N under fsdp, + 2·2·P_layer of gathered bf16 layers)
+  gradients    4·P        float32                           (/N under fsdp)
+  optimizer    8·P        AdamW's two float32 moments       (/N under fsdp)
+  activations  with gradient checkpointing: L·b·T·H·a (each layer's input) + b·T·(4H + 3·(n_q + 2·n_kv)·d + 4I)·a·2
+               (one layer recomputed, with its gradients); without it, L times the second term. b = micro-batch rows,
+               T = prompt + response tokens, a = bytes of the compute dtype (2 for bf16)
+  logits       b·T_l·V·(a + 12): the head's output, its float32 copy at the sampling temperature, and the float32
+               gradient / log-softmax temporaries (T_l = response tokens when each prompt is run once, else T)
+  logprob pass the no-grad passes for π at the start of a step (optim.minibatches > 1) and the reference (beta > 0):
+               b_lp·T·V·(a + 8) + b_lp·T·H·8a, b_lp = optim.logprob_batch_size
+  generation   KV cache  gen_batch·T·L·2·n_kv·d·2 (bf16), plus under fsdp the full bf16 weights 2·P, gathered once
+               for the whole generation phase
+  optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
+Training, the no-grad passes, generation and the optimizer step do not overlap in time: the peak is the resident training state
+(weights, gradients, optimizer) plus the largest of the four phases (the optimizer step is one). Not counted: the CUDA context and allocator
+fragmentation (plan 2-4 GB of headroom per GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GB = 1e9
+
+
+@dataclass
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv) * self.qkv_bias
+        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+
+SHAPES = {  # from the models' public config.json files
+    "Qwen/Qwen2.5-0.5B": Shape(896, 24, 14, 2, 64, 4864, 151936, True, True),
+    "Qwen/Qwen3-4B-Base": Shape(2560, 36, 32, 8, 128, 9728, 151936, True, False),
+    "Qwen/Qwen2.5-7B": Shape(3584, 28, 28, 4, 128, 18944, 152064, False, True),
+    "Qwen/Qwen2.5-Math-7B": Shape(3584, 28, 28, 4, 128, 18944, 152064, False, True),
+    "Elliott/Qwen2.5-Math-7B-16k-think": Shape(3584, 28, 28, 4, 128, 18944, 152064, False, True),
+}
+
+
+def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: int, prompt: int, response: int,
+             checkpointing: bool = True, share_prompt: bool = False, act_bytes: int = 2, logprob_batch: int = 0
+             ) -> dict[str, float]:
+    """Bytes per GPU of each part (see the module docstring); `peak` is their sum as the phases add up."""
+    P, shard = s.params(), (gpus if fsdp else 1)
+    T, b, a = prompt + response, micro_batch, act_bytes
+    layer = b * T * (4 * s.hidden + 3 * (s.heads + 2 * s.kv_heads) * s.head_dim + 4 * s.intermediate) * a * 2
+    parts = {
+        "weights": 4 * P / shard + (4 * s.layer_params() if fsdp else 0),
+        "gradients": 4 * P / shard,
+        "optimizer": 8 * P / shard,
+        "activations": (s.layers * b * T * s.hidden * a + layer) if checkpointing else s.layers * layer / 2,
+        "logits": b * (response if share_prompt else T) * s.vocab * (a + 12),
+        "logprob_pass": logprob_batch * T * s.vocab * (a + 8) + logprob_batch * T * s.hidden * a * 8,
+        "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2 + (2 * P if fsdp else 0),
+        "optimizer_step": 4 * P / shard,
+    }
+    resident = parts["weights"] + parts["gradients"] + parts["optimizer"]
+    parts["peak"] = resident + max(parts["activations"] + parts["logits"], parts["logprob_pass"], parts["generation"],
+                                   parts["optimizer_step"])
+    return parts
+
+
+def paper_table(budget_gb: float = 80) -> str:
+    from config import load_config
+
+    rows = ["| config | model (params) | GPUs | parallel | weights | grads | AdamW | activations | logits | "
+            "no-grad pass | generation | peak per GPU | fits 80 GB |",
+            "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for path in sorted((Path(__file__).resolve().parents[1] / "configs" / "papers").glob("*.yaml")):
+        if path.name == "gpu_base.yaml":
+            continue
+        cfg = load_config(str(path), [])
+        s = SHAPES[cfg.model.path]
+        for gpus in (1, 8):
+            for parallel in ("ddp", "fsdp"):
+                gen = cfg.rollout.gen_batch_size
+                e = estimate(s, gpus=gpus, fsdp=parallel == "fsdp" and gpus > 1, micro_batch=cfg.optim.micro_batch_size,
+                             gen_batch=gen, prompt=cfg.data.max_prompt_tokens, response=cfg.rollout.max_new_tokens,
+                             checkpointing=cfg.model.gradient_checkpointing,
+                             logprob_batch=cfg.optim.logprob_batch_size * (cfg.optim.minibatches > 1 or cfg.grpo.beta > 0))
+                mark = " ← config" if parallel == cfg.model.parallel and gpus == 8 else ""
+                cells = " | ".join(f"{e[k] / GB:.1f}" for k in ("weights", "gradients", "optimizer", "activations",
+                                                                  "logits", "logprob_pass", "generation", "peak"))
+                rows.append(f"| {path.stem}{mark} | {cfg.model.path} ({s.params() / 1e9:.2f} B) | {gpus} | {parallel} | "
+                            f"{cells} | {'yes' if e['peak'] < budget_gb * GB else 'no'} |")
+    return "\n".join(rows)
+
+
+def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: int = 96) -> None:
+    """Train a random-init Qwen2.5-0.5B-shaped model (its real vocabulary size; random token ids, so no tokenizer is
+    needed) for a few AdamW steps through grpo.update_policy on this CPU, float32 compute, gradient checkpointing on
+    (so rows run whole, as under FSDP), and compare peak RSS with the formula's CPU figure plus the process's RSS
+    before the model existed."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    import grpo
+    from config import Config
+    from rollout import Rollouts
+
+    torch.set_num_threads(2)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # imports done: the interpreter's own share
+    s = SHAPES["Qwen/Qwen2.5-0.5B"]
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate, tie_word_embeddings=s.tied,
+        max_position_embeddings=4096))
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters (formula: {s.params() / 1e6:.1f} M)")
+    cfg = Config()
+    cfg.model.gradient_checkpointing, cfg.optim.micro_batch_size = True, micro_batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    B, L = 2 * micro_batch, prompt + response
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        t0 = time.time()
+        tokens = torch.randint(0, s.vocab, (B, L), generator=g)
+        batch = Rollouts(tokens=tokens, prompt_len=torch.full((B,), prompt), seq_len=torch.full((B,), L),
+                         behav_logp=torch.zeros(B, L), truncated=torch.zeros(B, dtype=torch.bool),
+                         prompt_idx=torch.arange(B), group=torch.arange(B) // 2, born=torch.zeros(B, dtype=torch.long),
+                         reward=torch.zeros(B), correct=torch.zeros(B, dtype=torch.bool), advantage=torch.randn(B, generator=g),
+                         entropy=torch.zeros(B), replayed=torch.zeros(B, dtype=torch.bool), onpolicy=torch.ones(B, dtype=torch.bool))
+        _, _, reasons, _ = grpo.update_policy(cfg, model, model, optimizer, batch, torch.device("cpu"))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(f"step {step + 1}: {reasons[0] or 'ok'}, {time.time() - t0:.0f} s, peak RSS {peak / GB:.2f} GB")
+    e = estimate(s, gpus=1, fsdp=False, micro_batch=micro_batch, gen_batch=0, prompt=prompt, response=response,
+                 act_bytes=4)
+    expected = base + e["peak"]
+    print(f"formula: {' + '.join(f'{k} {v / GB:.2f}' for k, v in e.items() if k != 'peak')} GB; "
+          f"+ process before the model {base / GB:.2f} GB = {expected / GB:.2f} GB")
+    print(f"measured peak RSS {peak / GB:.2f} GB: {100 * (peak / expected - 1):+.1f} % against the formula")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--measure", action="store_true", help="run the CPU measurement instead of printing the table")
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    measure(a.steps) if a.measure else print(paper_table())
+
+
+if __name__ == "__main__":
+    main()
