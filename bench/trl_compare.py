@@ -21,6 +21,7 @@ Round r uses seed + r on both sides.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import os
 import statistics
@@ -74,19 +75,20 @@ def trl_worker(result_path: str, config: str, overrides: list[str]) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from config import load_config, validate
-    from eval import evaluate
+    from data.loaders import load_task
+    from eval import evaluate, summarize
     from rewards import score_batch
-    from train import load_train_eval
+    from rollout import end_ids, prompt_ids
 
     cfg = load_config(config, overrides)
     validate(cfg)
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    train_problems, eval_problems = load_train_eval(cfg)
+    train_problems, eval_problems = load_task(cfg.data, cfg.eval.n)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     template = cfg.data.template
-    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": template.format(problem=p.problem)}], "answer": p.answer}
-                            for p in train_problems])
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": template.replace("{problem}", p.problem)}],
+                             "answer": p.answer} for p in train_problems])
     tokens = []
 
     def reward(completions, answer, completion_ids, **_):
@@ -126,9 +128,12 @@ def trl_worker(result_path: str, config: str, overrides: list[str]) -> None:
     model = trainer.model.eval()
     with torch.random.fork_rng(devices=[]):  # as train.py's run_eval
         torch.manual_seed(cfg.seed)
-        ev = evaluate(model, tok, eval_problems, k=cfg.eval.k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-                      max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, batch_size=cfg.rollout.gen_batch_size,
-                      template=cfg.data.template, reward_cfg=cfg.reward)
+        e, d = cfg.eval, cfg.data
+        sampling = replace(cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p,
+                           max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens)
+        prompts = [prompt_ids(tok, p.problem, d.template, d.chat_template, d.system_prompt) for p in eval_problems]
+        ev = summarize(evaluate(model, tok, prompts, [p.answer for p in eval_problems], sampling, cfg.reward,
+                                end_ids(tok, model, d.chat_template, cfg.rollout.stop_tokens)))
     Path(result_path).write_text(json.dumps({"step_times": timer.times, "tokens": sum(tokens), "acc_final": ev["accuracy"]}))
 
 

@@ -105,12 +105,13 @@ def sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.
 def heldout_accuracy(model, tok, test: list[dict], temperature: float) -> float:
     """Fraction of held-out problems solved by one sample at `temperature` (0 = greedy), verified by rewards.py."""
     from rewards import RewardConfig, score_batch
-    from rollout import format_prompt, generate
+    from rollout import RolloutConfig, end_ids, generate, prompt_ids
 
-    prompts = [format_prompt(tok, p["problem"], "{problem}") for p in test]
+    prompts = [prompt_ids(tok, p["problem"], "{problem}", True) for p in test]
+    sampling = RolloutConfig(group_size=1, max_new_tokens=48, temperature=temperature, gen_batch_size=256)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        _, texts = generate(model, tok, prompts, 1, max_new_tokens=48, temperature=temperature, top_p=1.0, batch_size=256)
+        _, texts = generate(model, tok, prompts, sampling, end_ids(tok, model, True, []))
     _, correct, _ = score_batch(texts, [p["answer"] for p in test], RewardConfig())
     return sum(correct) / len(correct)
 
