@@ -50,14 +50,12 @@ class ModelConfig:
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. auto = cuda when available (the local rank's GPU under torchrun)."""
 
-    def check(self) -> list[tuple[bool, str]]:
+    def check(self) -> dict[str, tuple[bool, str]]:
         cuda = self.device.startswith("cuda")
-        return [(self.compute_dtype in ("float32", "bfloat16"), f"model.compute_dtype must be float32 or bfloat16, "
-                                                                f"got {self.compute_dtype!r}"),
-                (self.parallel in ("ddp", "fsdp"), f"model.parallel must be ddp or fsdp, got {self.parallel!r}"),
-                (self.device == "auto" or self.device == "cpu" or cuda, f"model.device must be auto, cpu or cuda[:N], "
-                                                                        f"got {self.device!r}"),
-                (not cuda or torch.cuda.is_available(), f"model.device={self.device} but no GPU is visible")]
+        return {"compute_dtype": (self.compute_dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
+                "parallel": (self.parallel in ("ddp", "fsdp"), "ddp or fsdp"),
+                "device": ((self.device in ("auto", "cpu") or cuda) and (not cuda or torch.cuda.is_available()),
+                           "auto, cpu or cuda[:N], and cuda needs a visible GPU")}
 
 
 @dataclass
@@ -90,12 +88,10 @@ class DataConfig:
     tiny_kinds: str = "add:3,mul:2,frac:2,lin:2"
     """Tiny task mix as kind:weight pairs (add, mul, frac, lin)."""
 
-    def check(self) -> list[tuple[bool, str]]:
-        return [("{problem}" in self.template, "data.template must contain {problem}"),
-                (self.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be ≥ 0, got {self.max_prompt_tokens}"),
-                (self.tiny_train_size >= 1, f"data.tiny_train_size must be ≥ 1, got {self.tiny_train_size}"),
-                (self.tiny_max_int >= 2 and self.tiny_max_den >= 2,
-                 "data.tiny_max_int and data.tiny_max_den must be ≥ 2")]
+    def check(self) -> dict[str, tuple[bool, str]]:
+        return {"template": ("{problem}" in self.template, "text containing {problem}"),
+                "max_prompt_tokens": (self.max_prompt_tokens >= 0, "≥ 0"), "tiny_train_size": (self.tiny_train_size >= 1, "≥ 1"),
+                "tiny_max_int": (self.tiny_max_int >= 2, "≥ 2"), "tiny_max_den": (self.tiny_max_den >= 2, "≥ 2")}
 
 
 @dataclass
@@ -123,18 +119,13 @@ class OptimConfig:
     logprob_batch_size: int = 128
     """Rows per no-grad forward (proximal / reference log-probs; memory knob)."""
 
-    def check(self) -> list[tuple[bool, str]]:
-        return [(0 < self.lr <= 1, f"optim.lr must be in (0, 1], got {self.lr}"),
-                (self.warmup_steps >= 0, f"optim.warmup_steps must be ≥ 0, got {self.warmup_steps}"),
-                (self.schedule in ("constant", "cosine"), f"optim.schedule must be constant or cosine, "
-                                                          f"got {self.schedule!r}"),
-                (0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"),
-                (0 <= self.weight_decay < math.inf, f"optim.weight_decay must be ≥ 0, got {self.weight_decay}"),
-                (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)"),
-                (0 <= self.grad_clip < math.inf, f"optim.grad_clip must be ≥ 0 (0 = off), got {self.grad_clip}"),
-                (self.minibatches >= 1, f"optim.minibatches must be ≥ 1, got {self.minibatches}"),
-                (self.micro_batch_size > 0 and self.logprob_batch_size > 0,
-                 "optim.micro_batch_size and optim.logprob_batch_size must be > 0")]
+    def check(self) -> dict[str, tuple[bool, str]]:
+        return {"lr": (0 < self.lr <= 1, "in (0, 1]"), "warmup_steps": (self.warmup_steps >= 0, "≥ 0"),
+                "schedule": (self.schedule in ("constant", "cosine"), "constant or cosine"),
+                "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"), "weight_decay": (0 <= self.weight_decay < 1e6, "≥ 0"),
+                "beta1": (0 <= self.beta1 < 1, "in [0, 1)"), "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
+                "grad_clip": (0 <= self.grad_clip < math.inf, "≥ 0 (0 = off)"), "minibatches": (self.minibatches >= 1, "≥ 1"),
+                "micro_batch_size": (self.micro_batch_size > 0, "> 0"), "logprob_batch_size": (self.logprob_batch_size > 0, "> 0")}
 
 
 @dataclass
@@ -152,12 +143,10 @@ class EvalConfig:
     max_new_tokens: int = 0
     """Eval generation cap (0 = rollout.max_new_tokens)."""
 
-    def check(self) -> list[tuple[bool, str]]:
-        return [(self.every >= 0 and self.n >= 0 and self.max_new_tokens >= 0, "eval.every, eval.n and "
-                                                                               "eval.max_new_tokens must be ≥ 0"),
-                (self.k >= 1, f"eval.k must be ≥ 1, got {self.k}"),
-                (0 <= self.temperature < math.inf, f"eval.temperature must be ≥ 0, got {self.temperature}"),
-                (0 < self.top_p <= 1, f"eval.top_p must be in (0, 1], got {self.top_p}")]
+    def check(self) -> dict[str, tuple[bool, str]]:
+        return {"every": (self.every >= 0, "≥ 0"), "n": (self.n >= 0, "≥ 0 (0 = all)"), "k": (self.k >= 1, "≥ 1"),
+                "temperature": (0 <= self.temperature < 1e6, "≥ 0"), "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+                "max_new_tokens": (self.max_new_tokens >= 0, "≥ 0")}
 
 
 @dataclass
@@ -167,9 +156,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Checkpoints kept on disk; older ones are deleted after a new one is complete."""
 
-    def check(self) -> list[tuple[bool, str]]:
-        return [(self.every >= 0, f"checkpoint.every must be ≥ 0 (0 = off), got {self.every}"),
-                (self.keep_last >= 1, f"checkpoint.keep_last must be ≥ 1, got {self.keep_last}")]
+    def check(self) -> dict[str, tuple[bool, str]]:
+        return {"every": (self.every >= 0, "≥ 0 (0 = off)"), "keep_last": (self.keep_last >= 1, "≥ 1")}
 
 
 @dataclass
@@ -183,9 +171,8 @@ class WandbConfig:
     name: str = ""
     """Run name (default: strategy-seed)."""
 
-    def check(self) -> list[tuple[bool, str]]:
-        return [(self.mode in ("disabled", "offline", "online"), f"wandb.mode must be disabled, offline or online, "
-                                                                 f"got {self.mode!r}")]
+    def check(self) -> dict[str, tuple[bool, str]]:
+        return {"mode": (self.mode in ("disabled", "offline", "online"), "disabled, offline or online")}
 
 
 @dataclass
@@ -304,22 +291,22 @@ def read_yaml(path: str | Path, seen: tuple = ()) -> dict:
 
 
 def load_config(path: str | None, overrides: list[str]) -> Config:
-    """Defaults, then the YAML file at `path` (after its `base` chain), then `--key=value` / `--key value` overrides."""
-    cfg = Config()
-    for k, v in (read_yaml(path) if path else {}).items():
-        _set(cfg, k, v)
-    i = 0
+    """Defaults, then the YAML file at `path` (after its `base` chain; a `--config FILE` among the overrides takes
+    its place), then `--key=value` / `--key value` overrides."""
+    pairs, i = [], 0
     while i < len(overrides):
-        arg = overrides[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {_repr.repr(arg)}; overrides look like --optim.lr=1e-3")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(overrides):
-                raise ConfigError(f"override --{key} needs a value")
-            value, i = overrides[i + 1], i + 1
-        _set(cfg, key, value)
-        i += 1
+        key, eq, value = overrides[i].partition("=")
+        if not key.startswith("--"):
+            raise ConfigError(f"unexpected argument {_repr.repr(overrides[i])}; overrides look like --optim.lr=1e-3")
+        if not eq and i + 1 >= len(overrides):
+            raise ConfigError("--config needs a file" if key == "--config" else f"override {key} needs a value")
+        value, i = (value, i + 1) if eq else (overrides[i + 1], i + 2)
+        path, pairs = (value, pairs) if key == "--config" else (path, pairs + [(key[2:], value)])
+    if path == "":
+        raise ConfigError("--config needs a file")
+    cfg = Config()
+    for k, v in [*(read_yaml(path) if path else {}).items(), *pairs]:
+        _set(cfg, k, v)
     return cfg
 
 
@@ -337,19 +324,20 @@ def save_config(cfg: Config, path: Path) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Reject values that would fail later or silently train nonsense, with one message naming the key.
-    Every check is a comparison that cannot raise, so validation itself never fails on a bad value."""
-    prompts = cfg.rollout.batch_size // cfg.rollout.group_size if cfg.rollout.group_size > 0 else 0
-    checks = [(cfg.max_steps >= 0, f"max_steps must be ≥ 0, got {cfg.max_steps}"),
-              (cfg.seed >= 0, f"seed must be ≥ 0, got {cfg.seed}"),
-              (cfg.threads >= 0, f"threads must be ≥ 0 (0 = torch's default), got {cfg.threads}"),
-              (cfg.out_dir.strip() != "", "out_dir must not be empty")]
-    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.grpo, cfg.replay, cfg.optim, cfg.eval,
-                    cfg.checkpoint, cfg.wandb):
-        checks += section.check()
-    mb = cfg.optim.minibatches
-    checks += [(prompts == 0 or mb < 1 or prompts % mb == 0, f"optim.minibatches ({mb}) must divide the prompts "
-                                                              f"per step ({prompts})")]
-    for ok, message in checks:
+    """Reject values that would fail later or silently train nonsense, with one message naming the key. Every section
+    lists its own rules (`check()`: {field: (ok, what it must be)}); evaluating them never raises."""
+    prompts, mb = cfg.rollout.batch_size // max(1, cfg.rollout.group_size), cfg.optim.minibatches
+    rules = {"max_steps": (cfg.max_steps >= 0, "≥ 0"), "seed": (cfg.seed >= 0, "≥ 0"), "threads": (cfg.threads >= 0, "≥ 0"),
+             "out_dir": (cfg.out_dir.strip() != "", "a folder name, not empty"),
+             "optim.minibatches": (mb < 1 or prompts % mb == 0, f"a divisor of the prompts per step ({prompts})")}
+    for name in ("model", "data", "rollout", "reward", "grpo", "replay", "optim", "eval", "checkpoint", "wandb"):
+        rules |= {f"{name}.{k}": rule for k, rule in getattr(cfg, name).check().items()}
+    for key, (ok, rule) in rules.items():
         if not ok:
-            raise ConfigError(message)
+            raise ConfigError(f"{key} must be {rule}, got {_repr.repr(_get(cfg, key))}")
+
+
+def _get(cfg: Config, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg

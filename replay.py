@@ -1,198 +1,185 @@
-"""Experience replay for GRPO: one rollout-level buffer, five strategies behind `replay.strategy`.
+"""Experience replay for GRPO: one rollout-level buffer and the strategies behind `replay.strategy`, side by side.
 
-Storage. A ring of `capacity` rows in tensors allocated once, on CPU: token ids (int32) and behaviour log-probs
-(float32) of shape (capacity, max_len), and per row its lengths, prompt index, group id, step born, reward,
-advantage at birth, verified-correct flag, mean token entropy, its prompt's latest solve rate, how often it was
-replayed, and a `valid` flag. There is no Python object per rollout and memory is fixed by `capacity`. A push
-writes the slots after the previous write, so a full buffer overwrites its oldest rows (eviction "capacity");
-evictions by age or retirement only clear `valid`, and the ring reuses those slots when it reaches them.
+Storage. `capacity` rows of preallocated tensors on CPU (a `Rollouts` of token ids and behaviour log-probs of
+shape (capacity, max_len) and every per-row field), plus per slot `valid`, `used` (times replayed) and `score` (a
+strategy's own number: a priority, a solve count). There is no Python object per rollout and memory is fixed by
+`capacity`. A push writes the slots after the previous write, so a full buffer overwrites its oldest rows
+(eviction "capacity"); evictions by age or retirement clear `valid`, and the ring reuses those slots later.
 
-The trainer calls, each step: before_advantages → grpo.group_advantages → sample → update → push (fresh rows).
+A strategy is a subclass with a `name` (defining it registers it: STRATEGIES[name]) that overrides what it needs:
+  check(cfg)               its own (condition, message) pairs for its config keys
+  start(problems, prompts, tokenizer, cfg, entropy)  once before training: load a source, keep the entropy function
+  plan(idx, step)          the step's prompts and fresh completions per prompt (default: idx, G each)
+  before_advantages(fresh, step)  rows to join fresh groups before advantages (RLEP, ExGRPO)
+  sample(fresh, step)      the update batch: fresh rows (all, or some) and replayed ones (`slot` = their buffer row)
+  push(batch, step, entropy)  after the update, the whole batch with each row's current mean token entropy (NaN if not
+                           trained): fresh rows to store, replayed rows (slot ≥ 0) to rescore
+All randomness comes from the buffer's own torch.Generator; state_dict saves it with the storage and the `STATE`
+attributes a strategy lists. The trainer calls, each step: plan → generate → reward → before_advantages →
+advantages → sample → update → push.
 
-  none     Plain on-policy GRPO: stores nothing, adds nothing, draws no random numbers.
-  uniform  FIFO of the latest `capacity` rollouts, drawn uniformly without removal (distinct rows within one
-           batch); `ratio` is the replayed share of the update batch; rows older than `max_age` steps are evicted.
-           (Replay-buffer study, "Efficient RL training for LLMs with experience replay".)
-  aper     Rollout-level advantage-prioritized replay: rows with A = 0 are not stored, rows older than `tau_max`
-           steps are evicted, and every update batch is all fresh rows plus k = round(ratio · n_fresh) rows drawn
-           with replacement, P(row) ∝ |A|^alpha + priority_eps (A at birth), as in prioritized experience replay.
-  rlep     RLEP: a store of verified-correct answers; before advantages, up to `rlep_n` random successes of the
-           same prompt join each fresh group (same group id, onpolicy=True: the trainer recomputes their log-probs).
-           Phase I is `load_rlep_solutions`. With no `rlep_source` the store fills from this run's own verified
-           successes: "online RLEP", a departure from the paper, which collects them from a finished run.
-  exgrpo   ExGRPO: successful rows are kept per prompt; prompts are bucketed by their latest solve rate, a bucket
-           is drawn with weight exp(-(rate - mu)² / 2σ²) and a prompt uniformly within it, and each drawn prompt
-           replays its lowest-entropy success (one row per drawn prompt, so the stored prompts cap the draw).
-           Prompts solved by every rollout are retired for good. Experience is mixed in (share `ratio`) only
-           once the fresh batch solve rate reaches `exgrpo_min_solve`.
-
-Advantages of rows returned by `sample` (`replay.advantage`):
-  stored     (default) the advantage computed in the row's own group at birth. It is what the buffer study and
-             aper replay (aper's priority is defined by it), it does not depend on which prompts happen to be in
-             this batch, and with short staleness bounds the baseline has barely moved.
-  recompute  re-centre the stored reward against the prompt's current rewards, as if the row joined that group:
-             the fresh group of the same prompt plus the row when that prompt is in this batch, else the prompt's
-             rows still in the buffer. A = (r - mean) / (std + 1e-6), std unbiased: grpo's `group` scale. Falls
-             back to stored when buffer statistics have < 2 rewards or no spread (exgrpo keeps only successes).
-RLEP rows get their advantages from grpo inside the mixed group, so the key does not apply to them.
-All randomness comes from one torch.Generator owned by the buffer; state_dict saves it with the storage.
+Advantages of replayed rows (`replay.advantage`): `stored` (default) is the advantage in the row's own group at
+birth: what the buffer study and aper replay (aper's priority is defined by it). `recompute` re-centres the stored
+reward against the prompt's current rewards as if the row joined them (the fresh group of its prompt when that is in
+the batch, else the prompt's rows in the buffer; grpo's `group` scale), falling back to stored with < 2 rewards or
+no spread. Rows that join fresh groups (rlep, exgrpo) get their advantages from grpo inside the mixed group.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from data.loaders import read_jsonl
+from grpo import all_ranks as grpo_all_ranks
 from rollout import Rollouts, pack
+
+STRATEGIES: dict[str, type[Replay]] = {}
 
 
 @dataclass
 class ReplayConfig:
     strategy: str = "none"
-    """none | uniform | aper | rlep | exgrpo"""
+    """a name in replay.STRATEGIES: none | uniform | aper | rlep | exgrpo | group (or one you add)"""
     capacity: int = 4096
-    """rows the buffer holds; memory is capacity × max_len × 8 bytes"""
+    """rows the buffer holds; memory is capacity × max_len × 12 bytes"""
     ratio: float = 0.5
-    """uniform, exgrpo: replayed share of the update batch (0 ≤ ratio < 1); aper: k = round(ratio × n_fresh) (0 ≤ ratio ≤ 4)"""
+    """uniform: replayed share of the update batch (< 1); aper: replayed rows per fresh row (≤ 4); exgrpo: share of
+    a step's prompts taken from experience"""
     max_age: int = 0
-    """uniform: evict rows older than this many steps before sampling; 0 = no limit (the study does not state one)"""
+    """uniform: evict rows older than this many steps; 0 = no limit (the study does not state one)"""
     tau_max: int = 4
-    """aper: evict rows older than this many steps (≥ 1); the paper does not state its value"""
+    """aper, group: evict rows older than this many steps (≥ 1); the aper paper does not state its value"""
     alpha: float = 1.0
     """aper: priority exponent in |A|^alpha + priority_eps (0 = uniform); the paper does not state its value"""
     priority_eps: float = 1e-3
     """aper: priority floor, so every stored row stays drawable"""
     advantage: str = "stored"
-    """advantage of sampled rows: stored (at birth) | recompute (against the prompt's current rewards)"""
+    """advantage of replayed rows: stored (at birth) | recompute (against the prompt's current rewards)"""
     rlep_n: int = 2
     """rlep: stored successes appended to each fresh group (the paper uses 2)"""
     rlep_source: str = ""
-    """rlep: JSONL of phase-I solutions, read by the trainer; empty = online RLEP (store this run's own successes)"""
-    exgrpo_mu: float = 0.5
-    """exgrpo: solve rate at which the bucket weight peaks"""
-    exgrpo_sigma: float = 0.2
-    """exgrpo: width of the Gaussian bucket weight"""
+    """rlep: JSONL of phase-I solutions (eval.py --save-correct); empty = online RLEP (this run's own successes)"""
+    exgrpo_sigma: float = 1.0
+    """exgrpo: width of the Gaussian bucket weight, in successes out of G (the release: 1, centred on G/2)"""
     exgrpo_min_solve: float = 0.35
-    """exgrpo: mix in experience only once the fresh batch solve rate reaches this"""
+    """exgrpo: experience starts (for good) once a step's rollouts are more than this fraction correct"""
 
-    def check(self) -> list[tuple[bool, str]]:
-        """Checks every strategy shares, then the chosen strategy's own (its class's `check`)."""
+    def check(self) -> dict[str, tuple[bool, str]]:
         known = self.strategy in STRATEGIES
-        return [(known, f"replay.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"),
-                (self.capacity >= 1, f"replay.capacity must be ≥ 1, got {self.capacity}"),
-                (not self.rlep_source or self.strategy == "rlep", f"replay.rlep_source is read by rlep only, "
-                                                                   f"not {self.strategy}"),
-                (self.advantage in ("stored", "recompute"), f"replay.advantage must be stored or recompute, "
-                                                            f"got {self.advantage!r}"),
-                *(STRATEGIES[self.strategy].check(self) if known else [])]
-
-
-# Per-row fields kept exactly as Rollouts holds them; the 2-D tokens and behav_logp are stored separately.
-L64, F32, BOOL = torch.int64, torch.float32, torch.bool
-ROW_FIELDS = {"prompt_len": L64, "seq_len": L64, "truncated": BOOL, "prompt_idx": L64, "group": L64, "born": L64,
-              "reward": F32, "correct": BOOL, "advantage": F32, "entropy": F32}  # fmt: skip
-STATE = ("tokens", "behav_logp", *ROW_FIELDS, "solve_rate", "times_sampled", "valid", "retired")
-ZERO_ADV = 1e-6  # aper: |A| at or below this counts as zero
-DIAGNOSTICS = ("sampled", "replayed_share", "age_mean", "age_max", "reuse_mean", "reuse_max", "priority_min", "priority_max")
+        return {"strategy": (known, f"one of {', '.join(STRATEGIES)}"), "capacity": (self.capacity >= 1, "≥ 1"),
+                "advantage": (self.advantage in ("stored", "recompute"), "stored or recompute"),
+                "rlep_source": (not self.rlep_source or self.strategy == "rlep", "empty: it is read by rlep only"),
+                **(STRATEGIES[self.strategy].check(self) if known else {})}
 
 
 class Replay:
-    """Tensor storage shared by all strategies. The base stores nothing and adds nothing; subclasses decide."""
+    """none: plain on-policy GRPO. The base stores nothing, adds nothing and draws no random numbers."""
+
+    name, STATE, METRICS = "none", (), ()  # STATE: attributes state_dict keeps; METRICS: the strategy's own replay/*
+
+    def __init_subclass__(cls, **kw):  # defining a strategy registers it under its name
+        super().__init_subclass__(**kw)
+        STRATEGIES[cls.name] = cls
 
     @staticmethod
-    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
-        """(condition, message) for this strategy's own keys; evaluating it must never raise."""
-        return []
+    def check(cfg: ReplayConfig) -> dict[str, tuple[bool, str]]:
+        return {}
 
     def __init__(self, cfg: ReplayConfig, max_len: int, pad_id: int, seed: int):
-        self.cfg, self.max_len, self.pad_id = cfg, max_len, pad_id
-        C = cfg.capacity
-        self.tokens = torch.full((C, max_len), pad_id, dtype=torch.int32)
-        self.behav_logp = torch.zeros(C, max_len)
-        for name, dtype in ROW_FIELDS.items():
-            setattr(self, name, torch.zeros(C, dtype=dtype))
-        self.solve_rate = torch.zeros(C)  # exgrpo: fraction of the prompt's latest fresh group that was correct
-        self.times_sampled = torch.zeros(C, dtype=L64)  # draws since stored (rlep: appends)
-        self.valid = torch.zeros(C, dtype=BOOL)  # the slot holds a row
-        self.retired = torch.zeros(0, dtype=L64)  # exgrpo: prompts every rollout solved; never stored again
-        self.head = 0  # next slot to write
+        C = cfg.capacity if type(self) is not Replay else 0
+        self.cfg, self.pad_id, self.head, self.entropy_fn = cfg, pad_id, 0, None
+        self.rows = Rollouts.empty(C, max_len, pad_id)
+        self.valid, self.used, self.score = torch.zeros(C, dtype=torch.bool), torch.zeros(C), torch.zeros(C)
         self.gen = torch.Generator().manual_seed(seed)
         self.evicted = {"capacity": 0, "age": 0, "retired": 0}  # totals since the start of the run
-        self.last = dict.fromkeys(DIAGNOSTICS, 0.0)  # about the rows added at the latest step
+        self.last = {}  # about the rows replayed at the latest step
 
     def __len__(self) -> int:
         return int(self.valid.sum())
 
-    # ---- the interface train.py uses; strategies override what they need
+    # ---- the hooks train.py calls; strategies override what they need
+
+    def start(self, problems: list, prompts: list[list[int]], tokenizer, cfg, entropy=None) -> int:
+        """Called once before training; returns the tokens generated to make an external source (0: none).
+        `entropy(rows) -> (B,)` measures the current policy's mean token entropy of rows (no gradient)."""
+        self.entropy_fn = entropy
+        return 0
+
+    def plan(self, idx: list[int], G: int, step: int) -> tuple[list[int], list[int]]:
+        return idx, [G] * len(idx)
 
     def before_advantages(self, fresh: Rollouts, step: int) -> Rollouts:
         return fresh
 
-    def sample(self, fresh: Rollouts, step: int) -> Rollouts | None:
-        return None
+    def sample(self, fresh: Rollouts, step: int) -> Rollouts:
+        return fresh
 
-    def push(self, batch: Rollouts, step: int) -> None:
+    def push(self, batch: Rollouts, step: int, entropy: torch.Tensor) -> None:
         pass
 
-    def start(self, problems: list, prompts: list[list[int]], tokenizer, cfg) -> int:
-        """Called once before training with the training problems, their prompt ids, the tokenizer and the whole
-        config; a strategy with an external source loads it here. Returns the tokens generated to make that source
-        (counted in tokens/generated_total), 0 when there is none."""
-        return 0
-
     def metrics(self) -> dict[str, float]:
+        """The same keys every step (ranks add them up): size, evictions, and about the rows replayed this step."""
         m = {"replay/size": float(len(self)), **{f"replay/evicted_{k}": float(v) for k, v in self.evicted.items()}}
-        return m | {f"replay/{k}": float(v) for k, v in self.last.items()}
+        keys = ("sampled", "replayed_share", "age_mean", "age_max", "reuse_max", *self.METRICS)
+        return m | {f"replay/{k}": float(self.last.get(k, 0.0)) for k in keys}
 
     def state_dict(self) -> dict:
-        d = {name: getattr(self, name).clone() for name in STATE}
-        return d | {"head": self.head, "rng": self.gen.get_state(), "evicted": dict(self.evicted), "last": dict(self.last)}
+        rows = {f.name: getattr(self.rows, f.name).clone() for f in fields(Rollouts)}
+        own = {k: getattr(self, k) for k in ("valid", "used", "score", *self.STATE)}
+        return rows | {k: v.clone() if torch.is_tensor(v) else v for k, v in own.items()} | {
+            "head": self.head, "rng": self.gen.get_state(), "evicted": dict(self.evicted), "last": dict(self.last)}
 
     def load_state_dict(self, d: dict) -> None:
-        if d["tokens"].shape != self.tokens.shape:
-            raise ValueError(f"replay state holds {tuple(d['tokens'].shape)} rows × tokens, this buffer {tuple(self.tokens.shape)}")
-        for name in STATE:
-            setattr(self, name, d[name].clone())
+        if d["tokens"].shape != self.rows.tokens.shape:
+            raise ValueError(f"replay state holds {tuple(d['tokens'].shape)} rows × tokens, this buffer "
+                             f"{tuple(self.rows.tokens.shape)}")
+        self.rows = Rollouts(**{f.name: d[f.name].clone() for f in fields(Rollouts)})
+        for k in ("valid", "used", "score", *self.STATE):
+            setattr(self, k, d[k].clone() if torch.is_tensor(d[k]) else d[k])
         self.head, self.evicted, self.last = d["head"], dict(d["evicted"]), dict(d["last"])
         self.gen.set_state(d["rng"])
 
-    # ---- storage helpers
+    # ---- storage
 
-    def _write(self, rows: Rollouts) -> torch.Tensor:
+    def _write(self, new: Rollouts, score: torch.Tensor | None = None) -> torch.Tensor:
         """Store rows at the ring head, overwriting the oldest slots once full. Returns the slots written."""
-        if len(rows) and int(rows.seq_len.max()) > self.max_len:
-            raise ValueError(f"replay: a rollout of {int(rows.seq_len.max())} tokens exceeds max_len={self.max_len}")
-        C = self.cfg.capacity
-        if len(rows) > C:  # only the newest C rows fit
-            self.evicted["capacity"] += len(rows) - C
-            rows = rows.select(torch.arange(len(rows) - C, len(rows)))
-        slots = (self.head + torch.arange(len(rows))) % C
+        C, L = len(self.valid), self.rows.tokens.shape[1]
+        if len(new) and int(new.seq_len.max()) > L:
+            raise ValueError(f"replay: a rollout of {int(new.seq_len.max())} tokens exceeds max_len={L}")
+        if len(new) > C:  # only the newest C rows fit
+            self.evicted["capacity"] += len(new) - C
+            keep = torch.arange(len(new) - C, len(new))
+            new, score = new.select(keep), None if score is None else score[keep]
+        slots = (self.head + torch.arange(len(new))) % C
         self.evicted["capacity"] += int(self.valid[slots].sum())
-        L = min(rows.tokens.shape[1], self.max_len)  # columns past max_len can only be padding
-        self.tokens[slots] = self.pad_id
-        self.tokens[slots, :L] = rows.tokens[:, :L].to(torch.int32)
-        self.behav_logp[slots] = 0.0
-        self.behav_logp[slots, :L] = rows.behav_logp[:, :L]
-        for name in ROW_FIELDS:
-            getattr(self, name)[slots] = getattr(rows, name)
-        self.times_sampled[slots] = 0
-        self.valid[slots] = True
-        self.head = (self.head + len(rows)) % C
+        for f in fields(Rollouts):
+            src, dst = getattr(new, f.name), getattr(self.rows, f.name)
+            if dst.dim() == 2:  # columns past max_len can only be padding
+                dst[slots] = self.pad_id if f.name == "tokens" else 0
+                dst[slots, : min(L, src.shape[1])] = src[:, :L].to(dst.dtype)
+            else:
+                dst[slots] = src.to(dst.dtype)
+        self.valid[slots], self.used[slots], self.score[slots] = True, 0.0, 0.0 if score is None else score.float()
+        self.head = (self.head + len(new)) % C
         return slots
 
-    def _read(self, slots: torch.Tensor, onpolicy: bool) -> Rollouts:
-        """Copies of the rows at `slots`, trimmed to their longest sequence, marked replayed."""
-        L = int(self.seq_len[slots].max())
-        n = len(slots)
-        return Rollouts(
-            tokens=self.tokens[slots, :L].long(), behav_logp=self.behav_logp[slots, :L],
-            **{name: getattr(self, name)[slots] for name in ROW_FIELDS},
-            replayed=torch.ones(n, dtype=torch.bool), onpolicy=torch.full((n,), onpolicy),
-        )  # fmt: skip
+    def _read(self, slots: torch.Tensor, fresh: Rollouts, onpolicy: bool = False) -> Rollouts:
+        """The stored rows at `slots`, marked replayed, with their advantage per replay.advantage; notes their reuse
+        and age in the metrics."""
+        rows, n = self.rows.select(slots), len(slots)
+        rows.replayed, rows.onpolicy, rows.slot = torch.ones(n, dtype=torch.bool), torch.full((n,), onpolicy), slots
+        if self.cfg.advantage == "recompute":
+            rows.advantage = self._recomputed(rows, fresh)
+        self.used.index_add_(0, slots, torch.ones(n))  # a slot may be drawn twice
+        age = (fresh.born.max() - rows.born).float() if n and len(fresh) else torch.zeros(1)
+        self.last = {"sampled": n, "replayed_share": n / max(1, n + len(fresh)), "age_mean": age.mean().item(),
+                     "age_max": age.max().item(), "reuse_max": self.used.max().item() if n else 0.0}
+        return rows
 
     def _evict(self, mask: torch.Tensor, reason: str) -> None:
         self.evicted[reason] += int((mask & self.valid).sum())
@@ -201,130 +188,109 @@ class Replay:
     def _stored(self) -> torch.Tensor:  # (N,) slots holding a row
         return self.valid.nonzero().squeeze(1)
 
-    def _replayed(self, slots: torch.Tensor, fresh: Rollouts, step: int) -> Rollouts | None:
-        """Read drawn rows for the update batch, with their advantage per `replay.advantage`."""
-        self._record(slots, len(slots) + len(fresh), step)
-        if len(slots) == 0:
-            return None
-        rows = self._read(slots, onpolicy=False)
-        if self.cfg.advantage == "recompute":
-            rows.advantage = self._recomputed(slots, fresh)
-        # Keep rows of one original group together, but past the fresh ids: no replayed row joins a fresh group.
-        g = rows.group - rows.group.min()
-        _, inv = torch.unique(rows.born * (int(g.max()) + 1) + g, return_inverse=True)  # one id per (born, group)
-        rows.group = inv + (int(fresh.group.max()) + 1 if len(fresh) else 0)
-        return rows
-
-    def _record(self, slots: torch.Tensor, batch_rows: int, step: int) -> None:
-        """Count the reuse of the rows added at this step and note their diagnostics."""
-        self.last = dict.fromkeys(DIAGNOSTICS, 0.0)
-        if len(slots) == 0:
-            return
-        self.times_sampled.index_add_(0, slots, torch.ones_like(slots))  # index_add_: a slot may be drawn twice
-        age = (step - self.born[slots]).float()
-        self.last.update(sampled=len(slots), replayed_share=len(slots) / batch_rows, age_mean=age.mean().item(),
-                         age_max=age.max().item(), reuse_mean=self.times_sampled[slots].float().mean().item(),
-                         reuse_max=float(self.times_sampled.max()))  # fmt: skip
-
-    def _recomputed(self, slots: torch.Tensor, fresh: Rollouts) -> torch.Tensor:
-        """Advantage of each drawn row against its prompt's current rewards (see the module docstring)."""
-        p, r = self.prompt_idx[slots], self.reward[slots].double()
-        keys, inv = torch.unique(p, return_inverse=True)
-
-        def sums(prompts, rewards):  # (3, k): count, sum and sum of squares of the rewards of each drawn row's prompt
-            hit = torch.isin(prompts, keys)
-            j, x = torch.searchsorted(keys, prompts[hit]), rewards[hit].double()
-            out = torch.zeros(3, len(keys), dtype=torch.float64)
-            for i, v in enumerate((torch.ones_like(x), x, x * x)):
-                out[i].index_add_(0, j, v)
-            return out[:, inv]
-
-        in_batch = sums(fresh.prompt_idx, fresh.reward) + torch.stack([torch.ones_like(r), r, r * r])  # the row joins
-        use_fresh = in_batch[0] > 1
-        n, s, ss = torch.where(use_fresh, in_batch, sums(self.prompt_idx[self.valid], self.reward[self.valid]))
-        mean = s / n
-        var = (ss - n * mean**2) / (n - 1).clamp(min=1)
-        var = torch.where(var > 1e-12, var, 0.0)  # below this it is round-off of equal rewards
-        adv = torch.where(var > 0, (r - mean) / (var.sqrt() + 1e-6), 0.0)  # a flat group gets 0, as in grpo
-        trusted = use_fresh | ((n >= 2) & (var > 0))
-        return torch.where(trusted, adv, self.advantage[slots].double()).float()
+    def _recomputed(self, rows: Rollouts, fresh: Rollouts) -> torch.Tensor:
+        """Advantage of each replayed row against its prompt's current rewards (see the module docstring)."""
+        out = rows.advantage.clone()
+        for i, p in enumerate(rows.prompt_idx.tolist()):
+            in_batch = fresh.prompt_idx == p
+            ref = (torch.cat([fresh.reward[in_batch], rows.reward[i : i + 1]]) if in_batch.any()  # the row joins
+                   else self.rows.reward[self.valid & (self.rows.prompt_idx == p)]).double()
+            spread = len(ref) >= 2 and ref.std().item() > 1e-6
+            if spread or in_batch.any():  # a group without spread gives 0, as grpo's does
+                out[i] = (rows.reward[i] - ref.mean()) / (ref.std() + 1e-6) if spread else 0.0
+        return out
 
     def _first_per_prompt(self, slots: torch.Tensor, key: torch.Tensor, n: int) -> torch.Tensor:
         """Of `slots`, the n with the smallest `key` within each prompt."""
         slots = slots[torch.argsort(key, stable=True)]
-        slots = slots[torch.argsort(self.prompt_idx[slots], stable=True)]
-        _, counts = torch.unique_consecutive(self.prompt_idx[slots], return_counts=True)
+        slots = slots[torch.argsort(self.rows.prompt_idx[slots], stable=True)]
+        _, counts = torch.unique_consecutive(self.rows.prompt_idx[slots], return_counts=True)
         rank = torch.arange(len(slots)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         return slots[rank < n]
 
 
-class NoReplay(Replay):
-    """Plain on-policy GRPO: the base class's no-ops, with no storage allocated."""
+STRATEGIES[Replay.name] = Replay
 
-    def __init__(self, cfg: ReplayConfig, max_len: int, pad_id: int, seed: int):
-        super().__init__(replace(cfg, capacity=0), max_len, pad_id, seed)
+
+def groups_of(rows: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(group ids (K,), each row's index into them (B,), each group's reward std (K,), unbiased; 0 for one row)."""
+    ids, inv = torch.unique(rows.group, return_inverse=True)
+    n = torch.bincount(inv, minlength=len(ids)).double()
+    r = rows.reward.double()
+    mean = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, r) / n
+    var = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, (r - mean[inv]) ** 2) / (n - 1).clamp(min=1)
+    return ids, inv, var.sqrt()
 
 
 class UniformReplay(Replay):
-    """FIFO of the latest rollouts, drawn uniformly without removal; `ratio` is the replayed share of the batch."""
+    """uniform (replay-buffer study): a FIFO of the latest `capacity` rollouts, drawn uniformly without removal
+    (distinct rows within one batch); `ratio` is the replayed share of the update batch; rows older than
+    `max_age` steps are evicted."""
+
+    name = "uniform"
 
     @staticmethod
-    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
-        return [(0 <= cfg.ratio < 1, f"replay.ratio must be in [0, 1) for uniform (the replayed share of the batch), "
-                                     f"got {cfg.ratio}"),
-                (cfg.max_age >= 0, f"replay.max_age must be ≥ 0 (0 = no limit), got {cfg.max_age}")]
+    def check(cfg):
+        return {"ratio": (0 <= cfg.ratio < 1, "in [0, 1) for uniform (the replayed share of the batch)"),
+                "max_age": (cfg.max_age >= 0, "≥ 0 (0 = no limit)")}
 
-    def push(self, batch: Rollouts, step: int) -> None:
+    def push(self, batch, step, entropy):
         self._write(batch.select(~batch.replayed))
 
-    def sample(self, fresh: Rollouts, step: int) -> Rollouts | None:
+    def sample(self, fresh, step):
         if self.cfg.max_age > 0:
-            self._evict(step - self.born > self.cfg.max_age, "age")
+            self._evict(step - self.rows.born > self.cfg.max_age, "age")
         k = min(round(self.cfg.ratio / (1 - self.cfg.ratio) * len(fresh)), len(self))
         key = torch.where(self.valid, torch.rand(len(self.valid), generator=self.gen), -1.0)  # (C,) in [0, 1) if stored
-        return self._replayed(key.topk(k).indices, fresh, step)  # the k largest random keys: a uniform k-subset
+        return Rollouts.cat([fresh, self._read(key.topk(k).indices, fresh)], self.pad_id)  # a uniform k-subset
 
 
 class AperReplay(Replay):
-    """Rollout-level, advantage-prioritized, age-bounded; every fresh row stays in the batch and k are added."""
+    """aper (rollout-level advantage-prioritized replay): rows with A = 0 are not stored, rows older than `tau_max`
+    steps are evicted, and every update batch is all fresh rows plus k = round(ratio · n_fresh) rows drawn with
+    replacement, P(row) ∝ |A|^alpha + priority_eps (A at birth), as in prioritized experience replay."""
+
+    name, METRICS = "aper", ("priority_min", "priority_max")
 
     @staticmethod
-    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
-        return [(0 <= cfg.ratio <= 4, f"replay.ratio must be in [0, 4] for aper (replayed rows per fresh row), "
-                                      f"got {cfg.ratio}"),
-                (cfg.tau_max >= 1, f"replay.tau_max must be ≥ 1, got {cfg.tau_max}"),
-                (0 <= cfg.alpha < 100 and 0 < cfg.priority_eps < 1e6, "replay.alpha must be ≥ 0 and "
-                                                                      "replay.priority_eps > 0")]
+    def check(cfg):
+        return {"ratio": (0 <= cfg.ratio <= 4, "in [0, 4] for aper (replayed rows per fresh row)"),
+                "tau_max": (cfg.tau_max >= 1, "≥ 1"), "alpha": (0 <= cfg.alpha < 100, "in [0, 100)"),
+                "priority_eps": (0 < cfg.priority_eps < 1e6, "> 0")}
 
-    def push(self, batch: Rollouts, step: int) -> None:
-        self._write(batch.select(~batch.replayed & (batch.advantage.abs() > ZERO_ADV)))  # A = 0 carries no gradient
+    def push(self, batch, step, entropy):
+        fresh = batch.select(~batch.replayed & (batch.advantage.abs() > 1e-6))  # A = 0 carries no gradient
+        self._write(fresh, fresh.advantage.abs().pow(self.cfg.alpha) + self.cfg.priority_eps)
 
-    def sample(self, fresh: Rollouts, step: int) -> Rollouts | None:
-        self._evict(step - self.born > self.cfg.tau_max, "age")
+    def sample(self, fresh, step):
+        self._evict(step - self.rows.born > self.cfg.tau_max, "age")
         k = min(round(self.cfg.ratio * len(fresh)), len(self))  # never more draws than stored rows
-        if k == 0:
-            return self._replayed(torch.zeros(0, dtype=torch.long), fresh, step)
-        priority = self.advantage.abs().pow(self.cfg.alpha) + self.cfg.priority_eps  # (C,)
+        weight = torch.where(self.valid, self.score, 0.0)  # (C,)
         # With replacement, a row's expected count in the batch is exactly k · P(row); a high-|A| row may appear twice.
-        weight = torch.where(self.valid, priority, 0.0)
-        rows = self._replayed(torch.multinomial(weight, k, replacement=True, generator=self.gen), fresh, step)
-        lowest = torch.where(self.valid, priority, torch.inf).min()
-        self.last.update(priority_min=lowest.item(), priority_max=weight.max().item())
-        return rows
+        slots = torch.multinomial(weight, k, replacement=True, generator=self.gen) if k else torch.zeros(0, dtype=torch.long)
+        rows = self._read(slots, fresh)
+        if k:
+            self.last |= {"priority_min": self.score[self.valid].min().item(), "priority_max": weight.max().item()}
+        return Rollouts.cat([fresh, rows], self.pad_id)
 
 
 class RlepReplay(Replay):
-    """Verified successes per prompt, appended to each fresh group of the same prompt before advantages."""
+    """rlep: a store of verified-correct answers; before advantages, up to `rlep_n` random successes of the same
+    prompt join each fresh group (onpolicy: their log-probs count as the current policy's, as RLEP recomputes
+    them). Phase I comes from `rlep_source`; without it the store fills from this run's own verified successes
+    ("online RLEP", a departure: the paper collects them from a finished run)."""
+
+    name = "rlep"
 
     @staticmethod
-    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
-        return [(cfg.rlep_n >= 1, f"replay.rlep_n must be ≥ 1, got {cfg.rlep_n}")]
+    def check(cfg):
+        return {"rlep_n": (cfg.rlep_n >= 1, "≥ 1")}
 
-    def start(self, problems: list, prompts: list[list[int]], tokenizer, cfg) -> int:
-        """Phase I from `rlep_source`: a JSONL of verified solutions, one per line, {"problem": text (or "prompt_idx":
-        i), "completion_ids": [...], "behav_logp": [...]} as `eval.py --save-correct` writes them; the sampled token
-        ids are replayed exactly. A text-only row ({"completion": text}) is tokenized, the end token appended. The
-        tokens phase I generated come from `<rlep_source>.meta.json` when it exists."""
+    def start(self, problems, prompts, tokenizer, cfg, entropy=None):
+        """Phase I from `rlep_source`: JSONL rows {"problem": text (or "prompt_idx": i), "completion_ids": [...],
+        "behav_logp": [...]} as eval.py --save-correct writes them: the sampled tokens are replayed exactly. A
+        text-only row ({"completion": text}) is tokenized, the end token appended. The tokens phase I generated
+        come from `<rlep_source>.meta.json`."""
         if not self.cfg.rlep_source:
             return 0
         path, by_problem, rows = self.cfg.rlep_source, {p.problem: i for i, p in enumerate(problems)}, []
@@ -341,77 +307,149 @@ class RlepReplay(Replay):
             raise ValueError(f"replay.rlep_source {path} holds no solutions")
         ro = pack([r[:5] for r in rows], self.pad_id, torch.tensor([r[5] for r in rows]), torch.full((len(rows),), -1), 0)
         ro.reward, ro.correct = torch.full((len(rows),), cfg.reward.correct), torch.ones(len(rows), dtype=torch.bool)
-        self.load_rlep_solutions(ro)
+        self._write(ro)
         meta = Path(path + ".meta.json")
         return int(json.loads(meta.read_text()).get("generated_tokens", 0)) if meta.is_file() else 0
 
-    def load_rlep_solutions(self, rollouts: Rollouts) -> None:
-        """Phase I: seed the store with verified-correct rows (the trainer tokenizes `rlep_source` into Rollouts with
-        correct=True and the reward of a correct answer). With `rlep_source` set the store stays fixed afterwards."""
-        if not bool(rollouts.correct.all()):
-            raise ValueError("rlep: phase-I solutions must all be verified correct (correct=True)")
-        self._write(rollouts)
-
-    def push(self, batch: Rollouts, step: int) -> None:
+    def push(self, batch, step, entropy):
         if not self.cfg.rlep_source:  # online RLEP: the store grows from this run's own verified successes
             self._write(batch.select(~batch.replayed & batch.correct))
 
-    def before_advantages(self, fresh: Rollouts, step: int) -> Rollouts:
-        gid, inv = torch.unique(fresh.group, return_inverse=True)
-        gprompt = torch.zeros_like(gid).scatter_(0, inv, fresh.prompt_idx)  # (n_groups,) prompt of each group
+    def before_advantages(self, fresh, step):
+        gid, first = torch.unique(fresh.group, return_inverse=True)
+        prompt_of = torch.zeros_like(gid).scatter_(0, first, fresh.prompt_idx)  # (groups,) the prompt of each group
         stored = self._stored()
-        stored = stored[torch.isin(self.prompt_idx[stored], gprompt)]
+        stored = stored[torch.isin(self.rows.prompt_idx[stored], prompt_of)]
         slots = self._first_per_prompt(stored, torch.rand(len(stored), generator=self.gen), self.cfg.rlep_n)
-        self._record(slots, len(fresh) + len(slots), step)
-        if len(slots) == 0:
-            return fresh
-        rows = self._read(slots, onpolicy=True)  # RLEP treats replayed answers as on-policy
-        by_prompt = torch.argsort(gprompt, stable=True)  # a prompt in two groups feeds the first of them
-        rows.group = gid[by_prompt[torch.searchsorted(gprompt[by_prompt], rows.prompt_idx)]]
+        rows = self._read(slots, fresh, onpolicy=True)
+        order = torch.argsort(prompt_of, stable=True)  # a prompt in two groups feeds the first of them
+        rows.group = gid[order[torch.searchsorted(prompt_of[order], rows.prompt_idx)]]
         mixed = Rollouts.cat([fresh, rows], self.pad_id)
         return mixed.select(torch.argsort(mixed.group, stable=True))  # each group's rows adjacent, fresh first
 
 
 class ExgrpoReplay(Replay):
-    """Per-prompt successes, prompts drawn by a Gaussian weight on solve-rate buckets, lowest-entropy success replayed."""
+    """exgrpo, as released (ExGRPO in ElliottYan/LUFFY: mix_trainer_experience.py, experience_collate_fn.py,
+    weighted_bucket_sampler.py, run_exgrpo.sh; each default below is the release's):
+    - experience starts once a step's rollouts (every rank's) are more than exgrpo_min_solve correct, and stays on;
+    - from then on, a question with k of its G rollouts correct, 0 < k < G, keeps each new correct trajectory (with
+      its behaviour log-probs; no duplicates) and its latest k; a question solved by all G is retired: dropped from
+      the buffer and from fresh sampling (the release drops it from fresh sampling at its next epoch; here at once);
+    - each step n_exp = min(questions stored, int(ratio · prompts)) experience questions take the place of the
+      step's last stream questions: a bucket k is drawn with weight N(k; G/2, σ = exgrpo_sigma successes), then one
+      of its questions uniformly, without replacement (an emptied bucket's weight goes to the others);
+    - an experience question gets G − 1 fresh rollouts plus its stored success of lowest mean token entropy under the
+      current policy, measured when the batch is assembled; advantages are computed over that mixed group of G;
+    - the replayed row is off-policy: its ratio is taken against the stored behaviour log-probs (the release shapes
+      it as r / (r + 0.1), unclipped: grpo.offpolicy=shaped in configs/papers/exgrpo_qwen25_math_7b.yaml).
+    Not matched: the release adds an entropy bonus (0.001; here entropy is only measured) and skips updates whose
+    gradient norm passes 500; its store has no size bound (here `capacity` rows, overwritten oldest first)."""
+
+    name, STATE, METRICS = "exgrpo", ("retired", "latched", "chosen"), ("experience_on", "retired")
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.retired, self.latched, self.chosen = torch.zeros(0, dtype=torch.long), False, torch.zeros(0, dtype=torch.long)
 
     @staticmethod
-    def check(cfg: ReplayConfig) -> list[tuple[bool, str]]:
-        return [(0 <= cfg.ratio < 1, f"replay.ratio must be in [0, 1) for exgrpo, got {cfg.ratio}"),
-                (0 < cfg.exgrpo_sigma < 1e6, f"replay.exgrpo_sigma must be > 0, got {cfg.exgrpo_sigma}")]
+    def check(cfg):
+        return {"ratio": (0 <= cfg.ratio < 1, "in [0, 1) for exgrpo (the share of a step's questions)"),
+                "exgrpo_sigma": (0 < cfg.exgrpo_sigma < 1e6, "> 0"),
+                "exgrpo_min_solve": (0 <= cfg.exgrpo_min_solve <= 1, "in [0, 1]")}
 
-    def push(self, batch: Rollouts, step: int) -> None:
-        fresh = batch.select(~batch.replayed)
-        prompts, inv = torch.unique(fresh.prompt_idx, return_inverse=True)
-        rate = torch.zeros(len(prompts)).index_add_(0, inv, fresh.correct.float()) / torch.bincount(inv)
-        solved = prompts[rate == 1]
-        self.retired = torch.unique(torch.cat([self.retired, solved]))
-        self._evict(torch.isin(self.prompt_idx, solved), "retired")
-        self._write(fresh.select(fresh.correct & ~torch.isin(fresh.prompt_idx, self.retired)))
-        hit = self.valid & torch.isin(self.prompt_idx, prompts)  # every stored row of these prompts gets the new rate
-        self.solve_rate[hit] = rate[torch.searchsorted(prompts, self.prompt_idx[hit])]
-
-    def sample(self, fresh: Rollouts, step: int) -> Rollouts | None:
+    def plan(self, idx, G, step):
+        n, retired = len(idx), set(self.retired.tolist())
+        idx = [i for i in idx if i not in retired]
         stored = self._stored()
-        if len(fresh) == 0 or float(fresh.correct.float().mean()) < self.cfg.exgrpo_min_solve:
-            return self._replayed(stored[:0], fresh, step)
-        prompts, inv = torch.unique(self.prompt_idx[stored], return_inverse=True)
-        rate = torch.zeros(len(prompts)).scatter_(0, inv, self.solve_rate[stored])  # one rate per prompt
-        buckets, b_inv, b_count = torch.unique(rate, return_inverse=True, return_counts=True)
-        weight = torch.exp(-0.5 * ((buckets - self.cfg.exgrpo_mu) / self.cfg.exgrpo_sigma) ** 2) / b_count
-        weight = weight[b_inv]  # (n_prompts,) P(bucket) · P(prompt | bucket) for a single draw
-        k = min(round(self.cfg.ratio / (1 - self.cfg.ratio) * len(fresh)), int((weight > 0).sum()))
-        chosen = prompts[torch.multinomial(weight, k, replacement=False, generator=self.gen)] if k else prompts[:0]
-        candidates = stored[torch.isin(self.prompt_idx[stored], chosen)]
-        return self._replayed(self._first_per_prompt(candidates, self.entropy[candidates], 1), fresh, step)
+        pool, first = torch.unique(self.rows.prompt_idx[stored], return_inverse=True)
+        k = torch.zeros(len(pool)).scatter_(0, first, self.score[stored])  # each question's latest success count
+        drawn = self._draw(pool, k, min(len(pool), int(self.cfg.ratio * n)), G) if self.latched else pool[:0]
+        if self.latched:  # every rank measures, even with nothing to measure: under FSDP a forward is collective
+            candidates = stored[torch.isin(self.rows.prompt_idx[stored], drawn)]
+            entropy = self.entropy_fn(self.rows.select(candidates))
+            self.chosen = self._first_per_prompt(candidates, entropy, 1)
+        fresh = idx[: n - len(drawn)]
+        return fresh + drawn.tolist(), [G] * len(fresh) + [G - 1] * len(drawn)
+
+    def _draw(self, pool, k, n, G):
+        """n questions: a bucket by its Gaussian weight among buckets with questions left, then one of them."""
+        left = {b: pool[k == b][torch.randperm(int((k == b).sum()), generator=self.gen)].tolist() for b in k.unique().tolist()}
+        out = []
+        for _ in range(n):
+            buckets = [b for b in left if left[b]]
+            w = torch.tensor([math.exp(-0.5 * ((b - G / 2) / self.cfg.exgrpo_sigma) ** 2) for b in buckets])
+            out.append(left[buckets[int(torch.multinomial(w, 1, generator=self.gen))]].pop())
+        return torch.tensor(out, dtype=torch.long)
+
+    def before_advantages(self, fresh, step):
+        chosen, self.chosen = self.chosen[torch.isin(self.rows.prompt_idx[self.chosen], fresh.prompt_idx)], self.chosen[:0]
+        rows = self._read(chosen, fresh)  # (a question dynamic sampling dropped keeps its stored row)
+        by_prompt = dict(zip(fresh.prompt_idx.tolist(), fresh.group.tolist()))
+        rows.group = torch.tensor([by_prompt[p] for p in rows.prompt_idx.tolist()], dtype=torch.long)
+        mixed = Rollouts.cat([fresh, rows], self.pad_id)
+        return mixed.select(torch.argsort(mixed.group, stable=True))
+
+    def push(self, batch, step, entropy):
+        ids, inv, _ = groups_of(batch)
+        k = torch.zeros(len(ids)).index_add_(0, inv, batch.correct.float())  # successes per group (replay included)
+        n = torch.bincount(inv, minlength=len(ids)).float()
+        solved = torch.unique(batch.prompt_idx[(k == n)[inv]])
+        self.retired = torch.unique(torch.cat([self.retired, solved]))
+        self._evict(torch.isin(self.rows.prompt_idx, solved), "retired")
+        if self.latched:
+            seen = {(p, tuple(t[:s].tolist())) for p, t, s in zip(self.rows.prompt_idx[self.valid],
+                                                                 self.rows.tokens[self.valid], self.rows.seq_len[self.valid])}
+            keep = [i for i in range(len(batch)) if not batch.replayed[i] and batch.correct[i] and 0 < k[inv[i]] < n[inv[i]]
+                    and (int(batch.prompt_idx[i]), tuple(batch.tokens[i, : batch.seq_len[i]].tolist())) not in seen]
+            self._write(batch.select(torch.tensor(keep, dtype=torch.long)))
+            for g in torch.nonzero((k > 0) & (k < n)).squeeze(1).tolist():  # every stored row learns its question's k
+                self.score[self.valid & (self.rows.prompt_idx == batch.prompt_idx[inv == g][0])] = k[g]
+        rate = grpo_all_ranks(torch.tensor([float(batch.correct.sum()), float(len(batch))]))
+        self.latched = self.latched or bool(rate[0] > self.cfg.exgrpo_min_solve * rate[1])
+        self.last |= {"experience_on": float(self.latched), "retired": float(len(self.retired))}
 
 
-STRATEGIES = {"none": NoReplay, "uniform": UniformReplay, "aper": AperReplay, "rlep": RlepReplay, "exgrpo": ExgrpoReplay}
+class GroupReplay(Replay):
+    """group (zero-variance group substitution, the idea of TRL's GRPOWithReplayBufferTrainer, PR #4060): whole
+    informative groups (reward spread > 0) are stored with their behaviour log-probs and advantages, priority
+    Σ_i |A_i| · std(r), and evicted after tau_max steps; each zero-variance fresh group of the update is replaced by
+    a stored group, drawn with probability ∝ priority without replacement (as many as are stored). Replayed rows keep
+    their advantages and take the usual off-policy correction. A flat group is never stored; a group the ring
+    overwrites in part is dropped whole."""
+
+    name, METRICS = "group", ("groups_replaced", "flat_groups")
+
+    @staticmethod
+    def check(cfg):
+        return {"tau_max": (cfg.tau_max >= 1, "≥ 1")}
+
+    def push(self, batch, step, entropy):
+        fresh = batch.select(~batch.replayed)
+        ids, inv, std = groups_of(fresh)
+        priority = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, fresh.advantage.abs().double()) * std
+        keep = (std > 0)[inv]
+        next_slots = (self.head + torch.arange(min(int(keep.sum()), len(self.valid)))) % len(self.valid)
+        overwritten = self.rows.group[next_slots][self.valid[next_slots]]
+        self._evict(torch.isin(self.rows.group, overwritten), "capacity")  # never keep part of a group
+        self._write(fresh.select(keep), priority[inv][keep])
+
+    def sample(self, fresh, step):
+        self._evict(step - self.rows.born > self.cfg.tau_max, "age")
+        ids, inv, std = groups_of(fresh)
+        stored = self._stored()
+        groups, first = torch.unique(self.rows.group[stored], return_inverse=True)
+        priority = torch.zeros(len(groups)).scatter_(0, first, self.score[stored])
+        m = min(int((std == 0).sum()), len(groups))
+        take = groups[torch.multinomial(priority, m, replacement=False, generator=self.gen)] if m else groups[:0]
+        drop = ids[std == 0][:m]
+        replayed = self._read(stored[torch.isin(self.rows.group[stored], take)], fresh)
+        self.last |= {"groups_replaced": float(m), "flat_groups": float((std == 0).sum())}
+        return Rollouts.cat([fresh.select(~torch.isin(fresh.group, drop)), replayed], self.pad_id)
 
 
 def make_replay(cfg: ReplayConfig, max_len: int, pad_id: int, seed: int) -> Replay:
-    """The buffer for `cfg.strategy` (checked by `cfg.check()`), its sampling generator seeded from `seed`."""
-    problems = [msg for ok, msg in cfg.check() if not ok]
-    if problems:
-        raise ValueError(problems[0])
+    """The buffer for `cfg.strategy`, its sampling generator seeded from `seed`; a bad config raises ValueError."""
+    bad = [f"replay.{k} must be {rule}, got {getattr(cfg, k)!r}" for k, (ok, rule) in cfg.check().items() if not ok]
+    if bad:
+        raise ValueError(bad[0])
     return STRATEGIES[cfg.strategy](cfg, max_len, pad_id, seed)

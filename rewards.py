@@ -64,8 +64,8 @@ class RewardConfig:
     overlong_factor: float = 1.0
     """the penalty reaches −overlong_factor at rollout.max_new_tokens, falling linearly across the buffer"""
 
-    def check(self) -> list[tuple[bool, str]]:
-        """(condition, message naming the key) for every field whose value could be nonsense; never raises."""
+    def check(self) -> dict[str, tuple[bool, str]]:
+        """{field: (ok, what it must be)} for every field whose value could be nonsense; never raises."""
         num = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
                for k, v in vars(self).items()}  # nan for what is not a number: every comparison with it is False
         rules = {k: (0 < num[k] < math.inf, "> 0 and finite") for k in ("timeout", "batch_budget")}
@@ -73,7 +73,8 @@ class RewardConfig:
                   for k, n in (("workers", 1), ("overlong_buffer", 0))}
         rules |= {k: (0 <= num[k] < math.inf, "≥ 0 and finite") for k in ("rel_tol", "overlong_factor")}
         rules |= {k: (math.isfinite(num[k]), "finite") for k in ("correct", "wrong", "no_answer", "format_bonus")}
-        return [(bool(ok), f"reward.{k} must be {rule}, got {getattr(self, k)!r}") for k, (ok, rule) in rules.items()]
+        return {k: (bool(ok), rule) for k, (ok, rule) in rules.items()}
+
 
 MAX_TEXT = 20_000  # only the tail of a completion is searched: the final answer is at the end
 MAX_ANSWER = 400  # longest answer we parse, which bounds every literal (MATH-500 answers have at most 53 characters)

@@ -72,6 +72,20 @@ def load_task(data, eval_n: int) -> tuple[list[Problem], list[Problem]]:
     return train, evals
 
 
+def prompt_order(n: int, position: int, count: int, seed: int) -> list[int]:
+    """Indices of the next `count` of n training problems: a fresh seeded permutation each epoch. A pure function of
+    the position in the stream, so a resumed run needs only the position."""
+    import torch
+
+    out = []
+    while len(out) < count:
+        epoch, offset = divmod(position, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        take = perm[offset : offset + count - len(out)]
+        out, position = out + take, position + len(take)
+    return out
+
+
 def _read_rows(spec: str, data_dir: str | None, limit: int | None) -> tuple[str, list[dict], str]:
     """(source name, raw rows, where-string for error messages)."""
     if spec.startswith("hf:"):

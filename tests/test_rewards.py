@@ -195,13 +195,12 @@ def test_reward_values_and_metrics():
 
 
 def test_config_check_names_the_key():
-    assert all(ok for ok, _ in R.RewardConfig().check())
+    assert all(ok for ok, _ in R.RewardConfig().check().values())
     bad = R.RewardConfig(timeout=0, batch_budget=float("inf"), workers=0, rel_tol=-1.0, correct=float("nan"), wrong="x")
-    failed = [message for ok, message in bad.check() if not ok]
-    assert "reward.timeout must be > 0 and finite, got 0" in failed
-    assert sorted(m.split()[0] for m in failed) == ["reward.batch_budget", "reward.correct", "reward.rel_tol",
-                                                     "reward.timeout", "reward.workers", "reward.wrong"]
-    assert [ok for ok, _ in R.RewardConfig(timeout=None, workers=2.5, rel_tol=[1]).check()].count(False) == 3
+    failed = {k: rule for k, (ok, rule) in bad.check().items() if not ok}
+    assert failed["timeout"] == "> 0 and finite"
+    assert sorted(failed) == ["batch_budget", "correct", "rel_tol", "timeout", "workers", "wrong"]
+    assert [ok for ok, _ in R.RewardConfig(timeout=None, workers=2.5, rel_tol=[1]).check().values()].count(False) == 3
 
 
 # ------------------------------------------------------------------------------------------- shared data
