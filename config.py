@@ -327,12 +327,12 @@ def validate(cfg: Config) -> None:
     """Reject values that would fail later or silently train nonsense, with one message naming the key. Every section
     lists its own rules (`check()`: {field: (ok, what it must be)}); evaluating them never raises."""
     prompts, mb = cfg.rollout.batch_size // max(1, cfg.rollout.group_size), cfg.optim.minibatches
-    rules = {"max_steps": (cfg.max_steps >= 0, "≥ 0"), "seed": (cfg.seed >= 0, "≥ 0"), "threads": (cfg.threads >= 0, "≥ 0"),
-             "out_dir": (cfg.out_dir.strip() != "", "a folder name, not empty"),
-             "optim.minibatches": (mb < 1 or prompts % mb == 0, f"a divisor of the prompts per step ({prompts})")}
+    rules = [("max_steps", cfg.max_steps >= 0, "≥ 0"), ("seed", cfg.seed >= 0, "≥ 0"), ("threads", cfg.threads >= 0, "≥ 0"),
+             ("out_dir", cfg.out_dir.strip() != "", "a folder name, not empty")]
     for name in ("model", "data", "rollout", "reward", "grpo", "replay", "optim", "eval", "checkpoint", "wandb"):
-        rules |= {f"{name}.{k}": rule for k, rule in getattr(cfg, name).check().items()}
-    for key, (ok, rule) in rules.items():
+        rules += [(f"{name}.{k}", ok, rule) for k, (ok, rule) in getattr(cfg, name).check().items()]
+    rules += [("optim.minibatches", mb < 1 or prompts % mb == 0, f"a divisor of the prompts per step ({prompts})")]
+    for key, ok, rule in rules:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {_repr.repr(_get(cfg, key))}")
 

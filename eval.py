@@ -37,7 +37,6 @@ from collections import Counter
 from pathlib import Path
 
 import mpmath
-import numpy as np
 import torch
 import yaml
 from tqdm import tqdm
@@ -112,10 +111,14 @@ def summarize(records: list[dict]) -> dict[str, float]:
             "n": len(records)}
 
 
+def macro(results: dict[str, dict]) -> dict[str, float]:
+    """Every benchmark weighs the same."""
+    return {m: statistics.fmean(r[m] for r in results.values()) for m in METRICS} | {"n": sum(r["n"] for r in results.values())}
+
+
 def results_table(results: dict[str, dict], k: int) -> str:
     """Markdown table, one row per benchmark plus the macro average; accuracies in percent."""
-    rows = results | ({"macro": {m: statistics.fmean(r[m] for r in results.values()) for m in METRICS}
-                       | {"n": sum(r["n"] for r in results.values())}} if len(results) > 1 else {})
+    rows = results | ({"macro": macro(results)} if len(results) > 1 else {})
     return "\n".join([f"| benchmark | problems | avg@{k} | pass@{k} | maj@{k} | tokens | trunc | entropy |",
                       "|---|---:|---:|---:|---:|---:|---:|---:|"] + [
         f"| {name} | {r['n']} | " + " | ".join(f"{100 * r[m]:.1f}" for m in METRICS[:3])
@@ -163,8 +166,14 @@ def bootstrap(values: list[float], stat=statistics.median, level: float = 0.95) 
     else 20,000 drawn with a fixed seed. Unreached targets enter as inf."""
     n = len(values)
     draws = itertools.product(values, repeat=n) if n <= 6 else (random.Random(0).choices(values, k=n) for _ in range(20_000))
-    stats = np.array([stat(d) for d in draws], dtype=float)
-    return tuple(float(np.percentile(stats, q, method="linear")) for q in (50 - 50 * level, 50 + 50 * level))
+    stats = sorted(stat(d) for d in draws)
+
+    def percentile(q):  # linear between neighbours, as numpy's default, but inf stays inf
+        i, f = divmod(q / 100 * (len(stats) - 1), 1)
+        a, b = stats[int(i)], stats[min(int(i) + 1, len(stats) - 1)]
+        return a if f == 0 or a == b else a + f * (b - a)
+
+    return percentile(50 - 50 * level), percentile(50 + 50 * level)
 
 
 def t_sf(t: float, df: float) -> float:
@@ -313,7 +322,8 @@ def run_eval(args) -> None:
     print(results_table(results, args.k))
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"args": vars(args), "benchmarks": results, "problems": records}, indent=1))
+        summary = {"args": vars(args), "macro": macro(results), "benchmarks": results, "problems": records}
+        (out / "results.json").write_text(json.dumps(summary, indent=1))
     except OSError as e:
         fail(f"cannot write {out / 'results.json'}: {e.strerror}")
     print(f"\nwrote {out / 'results.json'}")

@@ -203,6 +203,8 @@ def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tens
     (clip fractions, approx_kl, is_weight_mean, entropy, kl_ref: divide by `tokens` once added); only is_weight_max
     and is_weight_min take a max / min. is_weight is π_prox/μ before truncation (1 on on-policy rows).
     """
+    if bad := [f"grpo.{k} must be {rule}" for k, (ok, rule) in cfg.check().items() if not ok]:
+        raise ValueError(bad[0])
     m = mask.bool()  # (B, L)
 
     def valid(x: Tensor) -> Tensor:  # zero every input off the mask first: padding (even NaN) gives loss and grad 0

@@ -206,7 +206,7 @@ def _readings(answer: str) -> tuple:  # normalised readings: the answer is right
     whole, _, decimals = base.partition(",")
     percent = s.endswith("%") and _PLAIN.fullmatch(base) and not re.search(r"/0+$", base)  # 28% is 28 or 0.28
     comma = re.fullmatch(r"-?\d+,\d+", base) and (whole in ("0", "-0") or len(decimals) != 3)  # 2,5 or 0,125
-    return (base, *([str(Fraction(base) / 100)] if percent else []), *([f"{whole}.{decimals}"] if comma else []))
+    return (base, *([str(_fraction(base) / 100)] if percent else []), *([f"{whole}.{decimals}"] if comma else []))
 
 
 def _canon(s):  # key for string equality: spaces only between two letters; words ignore case
@@ -214,12 +214,17 @@ def _canon(s):  # key for string equality: spaces only between two letters; word
     return s.lower() if re.fullmatch(r"[A-Za-z][A-Za-z ]*", s) else s
 
 
+def _fraction(x: str) -> Fraction:  # "2", "-.5", "1.5/2": Fraction itself refuses a decimal numerator
+    num, _, den = x.partition("/")
+    return Fraction(num) / Fraction(den or 1)
+
+
 def _quick_equal(pred, gold, rel_tol):  # True/False when decidable without sympy; None: ask a worker
     if _canon(pred) == _canon(gold) or not pred:
         return bool(pred)
     if not (_PLAIN.fullmatch(pred) and _PLAIN.fullmatch(gold)) or re.search(r"/0+( |$)", pred + " " + gold):
         return None
-    a, b = Fraction(pred), Fraction(gold)  # a decimal is an approximation, as Floats are in the worker
+    a, b = _fraction(pred), _fraction(gold)  # a decimal is an approximation, as Floats are in the worker
     return abs(a - b) <= rel_tol * max(abs(a), abs(b)) if "." in pred + gold else a == b
 
 

@@ -514,7 +514,7 @@ def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
     groups with a reward spread, until every rank holds its share of batch_size / G of them (fewer if the cap is hit:
     dynamic/capped); every generated token counts, and the metrics say how many rounds ran and groups were dropped."""
     cfg, p, G, R = r.cfg, r.progress, r.cfg.rollout.group_size, max(1, r.cfg.rollout.dynamic_sampling)
-    n, kept, dropped, generated = cfg.rollout.batch_size // G, [], 0, 0
+    n, kept, spare, generated = cfg.rollout.batch_size // G, [], [], 0
     for rnd in range(R):
         with timed(t, "generate"):
             idx = prompt_order(len(r.prompts), p["data_pos"], n, cfg.seed)[r.rank :: r.world]
@@ -531,14 +531,16 @@ def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
         if not cfg.rollout.dynamic_sampling:
             return fresh, metrics, generated
         flat = grpo.flat_groups(fresh.reward, fresh.group)
-        kept, dropped = kept + [fresh.select(~flat)], dropped + len(torch.unique(fresh.group[flat]))
-        have = sum(len(torch.unique(k.group)) for k in kept)
-        if all_ranks(float(have >= n // r.world), dist.ReduceOp.MIN if dist.is_initialized() else None):
+        kept, spare = kept + [fresh.select(~flat)], spare + [fresh.select(flat)]
+        if all_ranks(float(sum(len(set(k.group.tolist())) for k in kept) >= n // r.world), dist.ReduceOp.MIN
+                     if dist.is_initialized() else None):
             break
-    fresh = Rollouts.cat(kept, r.tokenizer.pad_token_id)
-    fresh = fresh.select(torch.isin(fresh.group, torch.unique(fresh.group)[: n // r.world]))
-    return fresh, metrics | {"dynamic/rounds": rnd + 1.0, "dynamic/groups_dropped": float(dropped),
-                             "dynamic/capped": float(have < n // r.world)}, generated
+    fresh = Rollouts.cat(kept + spare, r.tokenizer.pad_token_id)  # informative groups first; flat ones fill a capped step
+    use = list(dict.fromkeys(fresh.group.tolist()))[: n // r.world]
+    capped = bool(grpo.flat_groups(fresh.reward, fresh.group)[torch.isin(fresh.group, torch.tensor(use))].any())
+    return fresh.select(torch.isin(fresh.group, torch.tensor(use))), metrics | {
+        "dynamic/rounds": rnd + 1.0, "dynamic/capped": float(capped),
+        "dynamic/groups_dropped": float(len(set(fresh.group.tolist())) - len(use))}, generated
 
 
 def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, skipped: list, local: dict, t: dict) -> dict:

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         gen_tps.append(int(ro.completion_len.sum()) / (time.time() - t0))
         ro.advantage = torch.randn(len(ro), generator=torch.Generator().manual_seed(step))
         with torch.no_grad(), compute:  # the training forward's log-probs of what was sampled, in bf16
-            lp = grpo.no_grad_logprobs(model, ro, cfg, compute, device)
+            lp, _ = grpo.no_grad_logprobs(model, ro, cfg, compute, device)
         gap = max(gap, (lp - ro.behav_logp)[ro.completion_mask()].abs().max().item())
         params, live = list(model.parameters()), {}
         before = [p.detach().clone() for p in params] if step == 0 else None

@@ -152,7 +152,8 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
                          behav_logp=torch.zeros(B, L), truncated=torch.zeros(B, dtype=torch.bool),
                          prompt_idx=torch.arange(B), group=torch.arange(B) // 2, born=torch.zeros(B, dtype=torch.long),
                          reward=torch.zeros(B), correct=torch.zeros(B, dtype=torch.bool), advantage=torch.randn(B, generator=g),
-                         entropy=torch.zeros(B), replayed=torch.zeros(B, dtype=torch.bool), onpolicy=torch.ones(B, dtype=torch.bool))
+                         entropy=torch.zeros(B), replayed=torch.zeros(B, dtype=torch.bool), onpolicy=torch.ones(B, dtype=torch.bool),
+                         slot=torch.full((B,), -1))
         _, _, reasons, _ = grpo.update_policy(cfg, model, model, optimizer, batch, torch.device("cpu"))
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(f"step {step + 1}: {reasons[0] or 'ok'}, {time.time() - t0:.0f} s, peak RSS {peak / GB:.2f} GB")

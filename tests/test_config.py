@@ -63,13 +63,13 @@ BAD_SETTINGS = [
     ("--optim.lr=inf", "optim.lr must be in (0, 1]"),
     ("--optim.lr=1e30", "optim.lr must be in (0, 1]"),
     ("--optim.minibatches=0", "optim.minibatches must be ≥ 1"),
-    ("--optim.minibatches=3", "optim.minibatches (3) must divide the prompts per step (32)"),
+    ("--optim.minibatches=3", "optim.minibatches must be a divisor of the prompts per step (32), got 3"),
     ("--optim.schedule=linear", "optim.schedule must be constant or cosine"),
     ("--threads=-1", "threads must be ≥ 0"),
     ("--seed=-1", "seed must be ≥ 0"),
     ("--max_steps=-5", "max_steps must be ≥ 0"),
-    ("--out_dir=", "out_dir must not be empty"),
-    ("--data.template=Solve {question}", "data.template must contain {problem}"),
+    ("--out_dir=", "out_dir must be a folder name, not empty"),
+    ("--data.template=Solve {question}", "data.template must be text containing {problem}"),
     ("--data.tiny_train_size=0", "data.tiny_train_size must be ≥ 1"),
     ("--checkpoint.every=-1", "checkpoint.every must be ≥ 0"),
     ("--checkpoint.keep_last=0", "checkpoint.keep_last must be ≥ 1"),
@@ -101,7 +101,7 @@ def test_strategy_keys_are_checked_by_the_strategy():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
 def test_cuda_without_a_gpu():
-    with pytest.raises(ConfigError, match="model.device=cuda but no GPU is visible"):
+    with pytest.raises(ConfigError, match="cuda needs a visible GPU"):
         validate(load_config(None, ["--model.device=cuda"]))
 
 

@@ -38,7 +38,7 @@ def test_pass_at_k_edge_cases():
     assert ev.pass_at_k(8, 0, 8) == 0.0
     assert ev.pass_at_k(8, 1, 8) == 1.0
     assert ev.pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the plain accuracy
-    assert ev.avg_at_k([True, False, False, True]) == 0.5
+    assert ev.summarize([{"correct": [True, False, False, True], "answers": ["1"] * 4, "tokens": [1] * 4, "truncated": [False] * 4, "entropy": [0.0] * 4}])["accuracy"] == 0.5
 
 
 def test_maj_at_k_hand_examples():
@@ -98,23 +98,48 @@ def test_evaluate_on_scripted_completions(monkeypatch):
 # ---------------------------------------------------------------------------------------------- --compare
 
 
-def write_run(root: Path, strategy: str, seed: int, evals: list[tuple[int, float, float]], finished: bool = True) -> Path:
-    """A run folder like train.py writes; evals are (generated tokens, eval accuracy, eval response length)."""
+def write_run(root: Path, strategy: str, seed: int, evals: list[tuple], finished: bool = True) -> Path:
+    """A run folder like train.py writes; evals are (generated tokens, eval accuracy, eval response length[, se])."""
     d = root / f"{strategy}-s{seed}"
     d.mkdir()
     (d / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "replay": {"strategy": strategy}}))
     with open(d / "metrics.jsonl", "w") as f:
-        for step, (tokens, acc, length) in enumerate(evals):
-            rec = {"step": step, "generated_tokens": tokens, "reward_mean": acc, "entropy": 0.5 + step,
-                   "response_len": length, "wall_seconds": 10.0 * step, "eval/accuracy": acc, "eval/response_len": length}
+        for step, (tokens, acc, length, *se) in enumerate(evals):
+            rec = {"step": step, "generated_tokens": tokens, "tokens/generated_total": tokens, "eval/accuracy": acc,
+                   "eval/accuracy_se": se[0] if se else 0.0, "eval/response_len": length, "eval/entropy": 0.5 + step}
             f.write(json.dumps(rec) + "\n")
     if finished:
-        tokens, acc, length = evals[-1]
+        tokens, acc, length, *_ = evals[-1]
         (d / "summary.json").write_text(json.dumps({
             "eval_accuracy_initial": evals[0][1], "eval_accuracy_final": acc, "eval_response_len_final": length,
-            "generated_tokens": tokens, "steps": len(evals), "wall_seconds": 100.0 + seed, "entropy_final": 0.25,
-            "strategy": strategy, "seed": seed}))
+            "tokens_generated_total": tokens, "steps": len(evals), "eval_entropy_final": 0.25, "strategy": strategy,
+            "seed": seed}))
     return d
+
+
+def test_sustained_crossing_hand_values():
+    curve = [(0, 0, 0.2, 0.01), (1, 100, 0.4, 0.01), (2, 200, 0.6, 0.01), (3, 300, 0.45, 0.01), (4, 400, 0.7, 0.01)]
+    # 0.6 at 200 touches 0.5 but falls back to 0.45 < 0.5 - 0.01: only the last rise counts, interpolated 300 → 400
+    assert ev.sustained_crossing(curve, 0.5) == pytest.approx(300 + 0.05 / 0.25 * 100)
+    wide = [c[:3] + (0.06,) for c in curve]  # within one standard error (0.45 ≥ 0.44): the first crossing stands
+    assert ev.sustained_crossing(wide, 0.5) == pytest.approx(100 + 0.1 / 0.2 * 100)
+    assert ev.sustained_crossing(curve, 0.8) is None  # never reached
+    assert ev.sustained_crossing(curve[:4], 0.5) is None  # touched once, ended below: no crossing
+    assert ev.sustained_crossing([(0, 0, 0.5, 0.0)], 0.5) == 0
+
+
+def test_bootstrap_t_interval_and_welch_hand_values():
+    # Every resample of (1, 2): medians 1, 1.5, 1.5, 2; linear percentiles at 2.5 % and 97.5 % of those four
+    assert ev.bootstrap([1.0, 2.0]) == pytest.approx((1 + 0.075 * 0.5, 1.5 + 0.925 * 0.5))
+    assert ev.bootstrap([1.0, math.inf, math.inf])[1] == math.inf  # seeds that never reach stay infinitely slow
+    # t interval of (1, 2, 3): 2 ± t(0.975, 2 dof) / √3, and for 2 dof t_p = (2p − 1) / √(2p(1 − p))
+    t2 = 0.95 / math.sqrt(2 * 0.975 * 0.025)
+    assert ev.mean_interval([1.0, 2.0, 3.0]) == pytest.approx((2 - t2 / math.sqrt(3), 2 + t2 / math.sqrt(3)), rel=1e-6)
+    # Welch, (1, 2, 3) vs (4, 5, 6): t = 3 / √(2/3) with 4 dof, where P(|T| > t) = 1 − x(3 − x²)/2, x = t / √(t² + 4)
+    t = 3 / math.sqrt(2 / 3)
+    x = t / math.sqrt(t * t + 4)
+    assert ev.welch_p([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == pytest.approx(1 - x * (3 - x * x) / 2, rel=1e-9)
+    assert ev.welch_p([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == pytest.approx(1.0)
 
 
 def test_compare_on_synthetic_runs(tmp_path, capsys):
@@ -122,33 +147,27 @@ def test_compare_on_synthetic_runs(tmp_path, capsys):
         write_run(tmp_path, "none", 0, [(0, 0.2, 100), (1000, 0.4, 100), (2000, 0.5, 100)]),
         write_run(tmp_path, "none", 1, [(0, 0.2, 120), (1000, 0.55, 120), (2000, 0.6, 120)]),
         write_run(tmp_path, "fifo", 0, [(0, 0.2, 88), (500, 0.55, 88), (1000, 0.6, 88)]),
-        write_run(tmp_path, "fifo", 1, [(0, 0.2, 88), (500, 0.58, 88), (1000, 0.6, 88)]),
-        write_run(tmp_path, "aper", 0, [(0, 0.2, 110), (700, 0.44, 110)], finished=False),  # crashed: no summary
+        write_run(tmp_path, "fifo", 1, [(0, 0.2, 88), (500, 0.6, 88), (1000, 0.5, 88, 0.1)]),  # falls back, within 1 se
+        write_run(tmp_path, "aper", 0, [(0, 0.2, 110), (700, 0.6, 110), (900, 0.44, 110)], finished=False),  # no summary
     ]
     out = tmp_path / "out"
     ev.main(["--compare", *map(str, runs), "--out-dir", str(out)])
     table = capsys.readouterr().out
     with open(out / "compare.csv") as f:
         rows = {(r["strategy"], r["seed"]): r for r in csv.DictReader(f)}
-
-    # target = none's final mean 0.55; baseline length 110, tokens 2000; none's mean curve peaks at 0.55 at step 2
-    assert rows["none", "0"]["tokens_to_target"] == "" and rows["none", "1"]["tokens_to_target"] == "1000"
-    assert rows["fifo", "0"]["tokens_to_target"] == "500" and float(rows["fifo", "0"]["tokens_ratio"]) == 0.25
-    assert rows["fifo", "1"]["steps_to_peak"] == "1" and float(rows["fifo", "1"]["steps_ratio"]) == 0.5
-    assert rows["aper", "0"]["steps_to_peak"] == "" and rows["aper", "0"]["tokens_ratio"] == ""
-    # fifo: ΔL = (110 - 88) / 110 = 0.2, ΔA = (0.6 - 0.55) / 0.55 -> 0.2 + 3 ΔA
-    assert float(rows["fifo", "1"]["aes"]) == pytest.approx(0.2 + 3 * 0.05 / 0.55)
-    # aper (from metrics.jsonl, strategy from config.yaml): ΔL = 0, ΔA = -0.2 -> -5 * 0.2
-    assert float(rows["aper", "0"]["aes"]) == pytest.approx(-1.0)
-    assert float(rows["aper", "0"]["entropy_final"]) == 1.5 and float(rows["aper", "0"]["wall_seconds"]) == 10.0
-
+    # target = none's final mean 0.55; its mean length 110 and tokens 2000
+    assert rows["none", "0"]["tokens_to_target"] == "" and float(rows["none", "1"]["tokens_to_target"]) == 1000
+    assert float(rows["fifo", "0"]["tokens_to_target"]) == 500 and float(rows["fifo", "0"]["tokens_ratio"]) == 0.25
+    assert float(rows["fifo", "1"]["tokens_to_target"]) == pytest.approx(0.35 / 0.4 * 500)  # 0.2 → 0.6 crosses 0.55 there
+    assert rows["aper", "0"]["tokens_ratio"] == ""  # reached 0.6, then fell to 0.44 < 0.55: not sustained
+    assert float(rows["fifo", "0"]["aes"]) == pytest.approx(0.2 + 3 * 0.05 / 0.55)  # ΔL = 22/110, ΔA = 0.05/0.55
+    assert float(rows["aper", "0"]["aes"]) == pytest.approx(-5 * (0.55 - 0.44) / 0.55)  # from metrics.jsonl
+    summary = {s["strategy"]: s for s in json.loads((out / "compare.json").read_text())["strategies"]}
+    assert summary["fifo"]["ratio_median"] == pytest.approx((0.25 + 0.21875) / 2) and summary["fifo"]["reached"] == 2
+    assert summary["none"]["reached"] == 1 and summary["fifo"]["p_vs_base"] == pytest.approx(ev.welch_p([0.6, 0.5], [0.5, 0.6]))
     lines = table.splitlines()
-    assert "tokens to 55.0% ÷ none tokens" in lines[0] and "steps to 55.0% ÷ none's" in lines[0]
-    # baseline first; a seed that never reaches counts as slowest, so none's median of (0.5, never) is "not reached"
-    assert lines[2].startswith("| none | 2 | 55.0 ± 7.1 | not reached (1/2) | not reached (1/2) |")
-    assert any(line.startswith("| fifo | 2 | 60.0 ± 0.0 | 0.25 (2/2) | 0.50 (2/2) |") for line in lines)
-    assert any(line.startswith("| aper | 1 | 44.0 | not reached (0/1) | not reached (0/1) |") for line in lines)
-    assert (out / "compare.png").exists() or "matplotlib is not installed" in table
+    assert "tokens to 55.0% ÷ none's" in lines[0] and lines[2].startswith("| none | 2 |")  # the baseline first
+    assert any(ln.startswith("| aper | 1 | 44.0 (nan–nan) |  | never reached") for ln in lines)
 
 
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
@@ -202,13 +221,13 @@ def test_cli_model_end_to_end(tiny_random_model, tmp_path):
            "--out-dir", str(out)]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "| benchmark | problems | avg@2 | pass@2 | maj@2 | tokens | trunc |" in proc.stdout
+    assert "| benchmark | problems | avg@2 | pass@2 | maj@2 | tokens | trunc | entropy |" in proc.stdout
     results = json.loads((out / "results.json").read_text())
     assert list(results["benchmarks"]) == ["custom"] + (["amc23"] if BENCH.is_dir() else [])
     for name, r in results["benchmarks"].items():
         assert r["n"] == 2 and len(results["problems"][name][0]["correct"]) == 2
         assert 0 < r["response_len"] <= 6 and 0 <= r["truncation_rate"] <= 1
-    assert set(results["macro"]) == set(ev.METRICS)
+    assert set(results["macro"]) == {*ev.METRICS, "n"}
 
 
 def test_save_correct_writes_only_verified_completions(tiny_random_model, tmp_path, monkeypatch):

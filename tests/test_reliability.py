@@ -223,15 +223,16 @@ def test_rng_and_replay_state_load_with_weights_only(tmp_path):
         group=torch.tensor([0, 0, 1, 1]), born=torch.zeros(B, dtype=torch.long), reward=torch.tensor([1.0, 0, 1, 0]),
         correct=torch.tensor([True, False, True, False]), advantage=torch.tensor([0.7, -0.7, 0.7, -0.7]),
         entropy=torch.rand(B), replayed=torch.zeros(B, dtype=torch.bool), onpolicy=torch.ones(B, dtype=torch.bool),
+        slot=torch.full((B,), -1),
     )
-    buf.push(rows, step=0)
+    buf.push(rows, 0, torch.zeros(B))
     torch.save({"rng": s, "replay": buf.state_dict()}, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)  # raises on anything but tensors and plain types
     train.set_rng_state(loaded["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1)) == before
     again = make_replay(cfg, max_len=6, pad_id=0, seed=0)
     again.load_state_dict(loaded["replay"])
-    assert len(again) == len(buf) == 4 and torch.equal(again.tokens, buf.tokens)
+    assert len(again) == len(buf) == 4 and torch.equal(again.rows.tokens, buf.rows.tokens)
 
 
 # ---------------------------------------------------------------------------------------- full disks, damage
@@ -441,7 +442,7 @@ BAD = [
     ("only over-long prompts", _long_prompts, "every training prompt is over"),
     ("unknown stop token", ["--rollout.stop_tokens=<|no_such|>"], "rollout.stop_tokens: '<|no_such|>' is not a single token"),
     ("group size 0", ["--rollout.group_size=0"], "rollout.group_size must be ≥ 2"),
-    ("batch not divisible", ["--rollout.batch_size=10"], "rollout.batch_size (10) must be a positive multiple of rollout.group_size (4)"),
+    ("batch not divisible", ["--rollout.batch_size=10"], "rollout.batch_size must be a positive multiple of rollout.group_size (4), got 10"),
     ("gen batch 0", ["--rollout.gen_batch_size=0"], "rollout.gen_batch_size must be > 0"),
     ("max_new_tokens 0", ["--rollout.max_new_tokens=0"], "rollout.max_new_tokens must be > 0, got 0"),
     ("negative lr", ["--optim.lr=-1e-3"], "optim.lr must be in (0, 1], got -0.001"),
@@ -449,7 +450,7 @@ BAD = [
     ("huge lr", ["--optim.lr=1e30"], "optim.lr must be in (0, 1], got 1e+30"),
     ("threads -1", ["--threads=-1"], "threads must be ≥ 0"),
     ("seed -1", ["--seed=-1"], "seed must be ≥ 0"),
-    ("template placeholder", ["--data.template=Q: {question}"], "data.template must contain {problem}"),
+    ("template placeholder", ["--data.template=Q: {question}"], "data.template must be text containing {problem}"),
     ("tiny train size 0", ["--data.tiny_train_size=0"], "data.tiny_train_size must be ≥ 1"),
     ("checkpoint every -1", ["--checkpoint.every=-1"], "checkpoint.every must be ≥ 0"),
     ("verifier timeout 0", ["--reward.timeout=0"], "reward.timeout must be > 0"),

@@ -337,3 +337,10 @@ def test_import_is_cheap_and_pool_closes_at_exit():
     assert len(pids) == R.RewardConfig().workers
     time.sleep(0.2)
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()] or sys.platform != "linux"
+
+
+def test_decimal_over_integer_never_raises():
+    # Found by the tiny model: "\boxed{.6/12}" matched the plain-number path, where Fraction(".6/12") raised and took
+    # score_batch down with it.
+    assert R.verify("\\boxed{.6/12}", "0.05") and R.verify("\\boxed{1.5/3}", "1/2") and not R.verify("\\boxed{.6/12}", "1/2")
+    assert R.score_batch(["\\boxed{.6/12\\%}", "\\boxed{-.5/0.25}"], ["1", "-2"], R.RewardConfig())[1] == [False, True]

@@ -138,7 +138,8 @@ def test_rlep_phase_one_round_trip_keeps_the_sampled_tokens(tmp_path):
     cfg = load_config("configs/tiny.yaml", ["--replay.strategy=rlep", f"--replay.rlep_source={saved}"])
     buf = make_replay(cfg.replay, max_len=128, pad_id=tok.pad_token_id, seed=0)
     assert buf.start(problems, prompts, tok, cfg) == 1234  # phase I's generation, counted in the run's total
-    stored = [buf.tokens[s, buf.prompt_len[s]: buf.seq_len[s]].tolist() for s in range(len(buf))]
+    r = buf.rows
+    stored = [r.tokens[s, r.prompt_len[s]: r.seq_len[s]].tolist() for s in range(len(buf))]
     assert stored == [r["completion_ids"] for r in rows][: len(stored)] and len(stored) == len(rows)
     through_text = sum(tok(tok.decode(r["completion_ids"]), add_special_tokens=False)["input_ids"] != r["completion_ids"]
                        for r in rows)
@@ -154,9 +155,10 @@ def test_rlep_text_only_source_still_loads(tmp_path):
     buf = make_replay(ReplayConfig(strategy="rlep", rlep_source=str(src)), max_len=64, pad_id=tok.pad_token_id, seed=0)
     cfg = load_config("configs/tiny.yaml", [])
     assert buf.start(problems, prompts, tok, cfg) == 0
-    ids = buf.tokens[0, buf.prompt_len[0]: buf.seq_len[0]].tolist()
+    r = buf.rows
+    ids = r.tokens[0, r.prompt_len[0]: r.seq_len[0]].tolist()
     assert ids == tok("\\boxed{5}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert buf.prompt_idx[0] == 1 and bool(buf.correct[0])
+    assert r.prompt_idx[0] == 1 and bool(r.correct[0])
 
 
 def test_overlong_penalty_hand_values():
@@ -219,3 +221,21 @@ def test_paper_configs_state_their_prompt(path):
     assert {"template", "chat_template", "system_prompt"} <= set(yaml.safe_load(text)["data"])
     assert re.search(r"#.*[Pp]rompt", text), f"{owner.name} does not say where its prompt comes from"
     assert cfg.model.compute_dtype == "bfloat16" and cfg.optim.lr <= 1e-5
+
+
+def test_eval_entropy_is_the_sampling_policys_token_entropy():
+    """eval/entropy (summarize's "entropy"): the mean over every sampled completion token of the entropy of the
+    distribution it was drawn from, equal to the one recomputed from the saved samples by a plain forward."""
+    model, tok = load_model(str(MODEL))
+    problems = load_problems("tiny", limit=12)
+    prompts = [prompt_ids(tok, p.problem, "{problem}", True) for p in problems]
+    torch.manual_seed(0)
+    records = ev.evaluate(model, tok, prompts, [p.answer for p in problems], RolloutConfig(group_size=4, max_new_tokens=48),
+                          RewardConfig(), end_ids(tok, model, True, []), keep=True)
+    total, n = 0.0, 0
+    for p, r in zip(prompts, records):
+        for ids in r["ids"]:
+            seq = torch.tensor([p + ids])
+            _, ent = grpo.token_logprobs(model, seq, torch.ones_like(seq), 1.0, with_entropy=True)
+            total, n = total + ent[0, len(p):].sum().item(), n + len(ids)
+    assert ev.summarize(records)["entropy"] == pytest.approx(total / n, rel=1e-5)

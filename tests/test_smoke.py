@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from replay import STRATEGIES
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="data/tiny_model not built (python -m data.build_tiny_model)")
@@ -43,7 +45,7 @@ def test_readme_command_two_steps(tmp_path):
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
-@pytest.mark.parametrize("strategy", ["uniform", "aper", "rlep", "exgrpo"])
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "none"])
 def test_every_strategy_runs_and_logs_replay(tmp_path, strategy):
     out = tmp_path / strategy
     extra = ["--replay.exgrpo_min_solve=0"] if strategy == "exgrpo" else []
