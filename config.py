@@ -1,11 +1,8 @@
-"""One typed config for everything: nested dataclasses, YAML overlays, dotted CLI overrides.
-
-  python train.py --config configs/tiny.yaml --replay.strategy=aper --optim.lr=1e-3 --out_dir=runs/x
-
-Precedence: dataclass defaults < YAML file (after its `base:` chain) < command line. Unknown keys and values of
-the wrong type are errors that name the key and suggest the closest valid one. Every field has a one-line docstring
-under it. The sections owned by a module (rollout, grpo, replay, reward) are defined next to the code that reads
-them, each with a `check()` listing its own (condition, message) pairs; `validate` runs them all.
+"""One typed config: nested dataclasses, YAML files that overlay the defaults (a `base:` file first), then dotted
+command-line overrides (`--replay.strategy=aper --optim.lr=1e-3`). Unknown keys and wrong types are errors naming the
+key and the closest valid one. Every field has a docstring; every section lists its rules in `check()`
+({field: (ok, what it must be)}), and `validate` runs them all. Sections owned by a module (rollout, reward, grpo,
+replay) live next to the code that reads them.
 """
 
 from __future__ import annotations
@@ -38,11 +35,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow model code from the model folder to run. Off: only architectures transformers ships."""
     compute_dtype: str = "float32"
-    """float32 | bfloat16: dtype of forward, backward and generation. Master weights and optimizer state are always
-    float32 (bf16 weights would round a 1e-6 update away); bf16 runs under autocast, or FSDP's mixed precision."""
+    """float32 | bfloat16: forward, backward and generation. Master weights and AdamW state are always float32."""
     parallel: str = "ddp"
-    """ddp | fsdp: how torchrun's processes share the model. ddp replicates it; fsdp (FSDP2) shards weights,
-    gradients and optimizer state over the processes and gathers full weights once per generation phase."""
+    """ddp | fsdp: how torchrun's processes share the model (FSDP2 shards weights, gradients and optimizer state)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (real models, long responses)."""
     compile: bool = False
@@ -53,9 +48,9 @@ class ModelConfig:
     def check(self) -> dict[str, tuple[bool, str]]:
         cuda = self.device.startswith("cuda")
         return {"compute_dtype": (self.compute_dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
-                "parallel": (self.parallel in ("ddp", "fsdp"), "ddp or fsdp"),
-                "device": ((self.device in ("auto", "cpu") or cuda) and (not cuda or torch.cuda.is_available()),
-                           "auto, cpu or cuda[:N], and cuda needs a visible GPU")}
+                "parallel": (self.parallel in ("ddp", "fsdp"), "ddp or fsdp"), "device": (
+                    (self.device in ("auto", "cpu") or cuda) and (not cuda or torch.cuda.is_available()),
+                    "auto, cpu or cuda[:N], and cuda needs a visible GPU")}
 
 
 @dataclass
@@ -75,8 +70,7 @@ class DataConfig:
     chat_template: bool = True
     """Wrap the instruction in the tokenizer's chat template (when it has one) as a user turn."""
     system_prompt: str = ""
-    """System turn of the chat template (empty = the data's own system turn if its rows carry one, else none; a
-    template may then insert its own default, as Qwen2.5-Math's does)."""
+    """System turn (empty = the data's own if its rows carry one, else none; a template may add its default)."""
     max_prompt_tokens: int = 0
     """Prompts longer than this are dropped and counted (0 = the model's context minus rollout.max_new_tokens)."""
     tiny_train_size: int = 2000
@@ -89,8 +83,8 @@ class DataConfig:
     """Tiny task mix as kind:weight pairs (add, mul, frac, lin)."""
 
     def check(self) -> dict[str, tuple[bool, str]]:
-        return {"template": ("{problem}" in self.template, "text containing {problem}"),
-                "max_prompt_tokens": (self.max_prompt_tokens >= 0, "≥ 0"), "tiny_train_size": (self.tiny_train_size >= 1, "≥ 1"),
+        return {"template": ("{problem}" in self.template, "text containing {problem}"), "max_prompt_tokens": (
+                self.max_prompt_tokens >= 0, "≥ 0"), "tiny_train_size": (self.tiny_train_size >= 1, "≥ 1"),
                 "tiny_max_int": (self.tiny_max_int >= 2, "≥ 2"), "tiny_max_den": (self.tiny_max_den >= 2, "≥ 2")}
 
 
@@ -122,10 +116,12 @@ class OptimConfig:
     def check(self) -> dict[str, tuple[bool, str]]:
         return {"lr": (0 < self.lr <= 1, "in (0, 1]"), "warmup_steps": (self.warmup_steps >= 0, "≥ 0"),
                 "schedule": (self.schedule in ("constant", "cosine"), "constant or cosine"),
-                "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"), "weight_decay": (0 <= self.weight_decay < 1e6, "≥ 0"),
+                "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                "weight_decay": (0 <= self.weight_decay < 1e6, "≥ 0"),
                 "beta1": (0 <= self.beta1 < 1, "in [0, 1)"), "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
-                "grad_clip": (0 <= self.grad_clip < math.inf, "≥ 0 (0 = off)"), "minibatches": (self.minibatches >= 1, "≥ 1"),
-                "micro_batch_size": (self.micro_batch_size > 0, "> 0"), "logprob_batch_size": (self.logprob_batch_size > 0, "> 0")}
+                "grad_clip": (0 <= self.grad_clip < math.inf, "≥ 0 (0 = off)"),
+                "minibatches": (self.minibatches >= 1, "≥ 1"), "micro_batch_size": (self.micro_batch_size > 0, "> 0"),
+                "logprob_batch_size": (self.logprob_batch_size > 0, "> 0")}
 
 
 @dataclass
@@ -196,74 +192,68 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
+    def check(self) -> dict[str, tuple[bool, str]]:
+        return {"max_steps": (self.max_steps >= 0, "≥ 0"), "seed": (self.seed >= 0, "≥ 0"),
+                "threads": (self.threads >= 0, "≥ 0"),
+                "out_dir": (self.out_dir.strip() != "", "a folder name, not empty")}
 
-REMOVED = {  # keys of older configs whose meaning changed: an error that says what to use instead
-    "model.dtype": "master weights are always float32 now; set model.compute_dtype=bfloat16 for bf16 compute",
-    "model.autocast": "bf16 compute is model.compute_dtype=bfloat16 (autocast, or FSDP mixed precision)",
-}
-MAX_FILE = 1 << 20  # a config file is a few KB; this bounds what a bad or hostile file can cost
-_repr = reprlib.Repr()  # values in error messages stay short (a YAML alias bomb would print megabytes)
+
+def _fields(cls=Config, prefix="") -> dict[str, type]:
+    """{dotted key: type} of every field, sections included."""
+    out = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        out[prefix + name] = tp
+        out |= _fields(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else {}
+    return out
+
+
+FIELDS = _fields()
+REMOVED = {"model.dtype": "master weights are always float32; bf16 compute is model.compute_dtype=bfloat16",
+           "model.autocast": "bf16 compute is model.compute_dtype=bfloat16", "optim.skip_zero_adv": "it is always on"}
+_repr = reprlib.Repr()  # values in messages stay short (a YAML alias bomb would print megabytes)
 _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict, _repr.maxlevel = 60, 60, 4, 4, 2
 
 
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
+BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-def _leaves(cls=Config, prefix="") -> list[str]:
-    return [k for n, tp in _hints(cls).items()
-            for k in (_leaves(tp, f"{prefix}{n}.") if dataclasses.is_dataclass(tp) else [prefix + n])]
-
-
-def _unknown(key: str) -> ConfigError:
-    if key in REMOVED:
-        return ConfigError(f"config key {key} was removed: {REMOVED[key]}")
-    close = difflib.get_close_matches(key, _leaves(), n=1, cutoff=0.5)
-    return ConfigError(f"unknown config key {key}" + (f"; did you mean {close[0]}?" if close else ""))
-
-
-def _coerce(key: str, value, tp):
-    """Check/convert one leaf value to the field's declared type; strings from the CLI are parsed."""
-    if tp is bool and isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-        return value.lower() in ("true", "1", "yes")
-    if tp in (int, float) and isinstance(value, str):
+def _parse(key: str, value, tp):
+    """`value` as the field's type `tp` (strings from the command line are parsed), or a ConfigError."""
+    if isinstance(value, str) and tp is bool and value.lower() in BOOLS:
+        return BOOLS[value.lower()]
+    if isinstance(value, str) and tp in (int, float):
         try:
             return tp(value)
         except ValueError:
             pass
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if tp == list[str]:
-        if isinstance(value, str):  # from the command line: a,b,c
-            value = [v for v in value.split(",") if v]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-    if typing.get_origin(tp) is None and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+    if isinstance(value, str) and tp == list[str]:  # --rollout.stop_tokens=a,b
+        return [v for v in value.split(",") if v]
+    if (tp is float and type(value) is int) or (tp is str and type(value) in (int, float)):
+        return tp(value)
+    if type(value) is tp or (tp == list[str] and isinstance(value, list) and all(isinstance(v, str) for v in value)):
         return value
     raise ConfigError(f"config key {key} expects {getattr(tp, '__name__', tp)}, got {_repr.repr(value)}")
 
 
 def _set(cfg: Config, key: str, value) -> None:
-    obj, parts = cfg, key.split(".")
-    for i, part in enumerate(parts):
-        hints = _hints(type(obj))
-        if part not in hints or (i < len(parts) - 1 and not dataclasses.is_dataclass(hints[part])):
-            raise _unknown(key)
-        if i == len(parts) - 1:
-            if dataclasses.is_dataclass(hints[part]):
-                raise ConfigError(f"config key {key} is a section; set one of its fields, e.g. {key}."
-                                  f"{dataclasses.fields(hints[part])[0].name}")
-            setattr(obj, part, _coerce(key, value, hints[part]))
-        obj = getattr(obj, part)
+    tp = FIELDS.get(key)
+    if key in REMOVED or tp is None:
+        leaves = [k for k, t in FIELDS.items() if not dataclasses.is_dataclass(t)]
+        close = difflib.get_close_matches(key, leaves, 1, 0.5)
+        raise ConfigError(f"config key {key} was removed: {REMOVED[key]}" if key in REMOVED else
+                          f"unknown config key {key}" + (f"; did you mean {close[0]}?" if close else ""))
+    if dataclasses.is_dataclass(tp):
+        first = dataclasses.fields(tp)[0].name
+        raise ConfigError(f"config key {key} is a section; set one of its fields, e.g. {key}.{first}")
+    *sections, name = key.split(".")
+    for part in sections:
+        cfg = getattr(cfg, part)
+    setattr(cfg, name, _parse(key, value, tp))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+    return {k: v for name, x in d.items() for k, v in (_flatten(x, f"{prefix}{name}.") if isinstance(x, dict)
+                                                         else {f"{prefix}{name}": x}).items()}
 
 
 def read_yaml(path: str | Path, seen: tuple = ()) -> dict:
@@ -274,8 +264,8 @@ def read_yaml(path: str | Path, seen: tuple = ()) -> dict:
     if p.resolve() in seen:
         raise ConfigError(f"config file {path} includes itself through `base`")
     try:
-        if p.stat().st_size > MAX_FILE:
-            raise ConfigError(f"config file {path} is over {MAX_FILE >> 20} MB: not a config")
+        if p.stat().st_size > 1 << 20:  # a config is a few KB: this bounds what a bad or hostile file can cost
+            raise ConfigError(f"config file {path} is over 1 MB: not a config")
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path} is not UTF-8 text") from None
@@ -286,13 +276,12 @@ def read_yaml(path: str | Path, seen: tuple = ()) -> dict:
     base = data.pop("base", None)
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"config file {path}: base must be one file name, got {_repr.repr(base)}")
-    flat = read_yaml(p.parent / base, seen + (p.resolve(),)) if base else {}
-    return {**flat, **_flatten(data)}
+    return {**(read_yaml(p.parent / base, seen + (p.resolve(),)) if base else {}), **_flatten(data)}
 
 
 def load_config(path: str | None, overrides: list[str]) -> Config:
-    """Defaults, then the YAML file at `path` (after its `base` chain; a `--config FILE` among the overrides takes
-    its place), then `--key=value` / `--key value` overrides."""
+    """Defaults, then the YAML file at `path` (after its `base` chain; a `--config FILE` among the overrides takes its
+    place), then the `--key=value` / `--key value` overrides."""
     pairs, i = [], 0
     while i < len(overrides):
         key, eq, value = overrides[i].partition("=")
@@ -310,34 +299,26 @@ def load_config(path: str | None, overrides: list[str]) -> Config:
     return cfg
 
 
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def flat_dict(cfg: Config) -> dict:
     """{dotted key: value} of every leaf."""
-    return _flatten(to_dict(cfg))
+    return _flatten(dataclasses.asdict(cfg))
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
 
 def validate(cfg: Config) -> None:
-    """Reject values that would fail later or silently train nonsense, with one message naming the key. Every section
-    lists its own rules (`check()`: {field: (ok, what it must be)}); evaluating them never raises."""
+    """Reject values that would fail later or silently train nonsense, with one message naming the key. Every rule is a
+    comparison that cannot raise, so validation itself never fails on a bad value."""
     prompts, mb = cfg.rollout.batch_size // max(1, cfg.rollout.group_size), cfg.optim.minibatches
-    rules = [("max_steps", cfg.max_steps >= 0, "≥ 0"), ("seed", cfg.seed >= 0, "≥ 0"), ("threads", cfg.threads >= 0, "≥ 0"),
-             ("out_dir", cfg.out_dir.strip() != "", "a folder name, not empty")]
+    rules = [(k, ok, rule) for k, (ok, rule) in cfg.check().items()]
     for name in ("model", "data", "rollout", "reward", "grpo", "replay", "optim", "eval", "checkpoint", "wandb"):
         rules += [(f"{name}.{k}", ok, rule) for k, (ok, rule) in getattr(cfg, name).check().items()]
     rules += [("optim.minibatches", mb < 1 or prompts % mb == 0, f"a divisor of the prompts per step ({prompts})")]
     for key, ok, rule in rules:
         if not ok:
-            raise ConfigError(f"{key} must be {rule}, got {_repr.repr(_get(cfg, key))}")
-
-
-def _get(cfg: Config, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            raise ConfigError(f"{key} must be {rule}, got {_repr.repr(value)}")

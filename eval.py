@@ -81,17 +81,19 @@ def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: 
     per_call = max(1, sampling.gen_batch_size // k)  # prompts per generate call: ~gen_batch_size sequences
     for start in tqdm(range(0, len(prompts), per_call), desc=desc, disable=desc is None):
         ro, texts = generate(model, tokenizer, prompts[start : start + per_call], sampling, stop)
-        _, correct, _ = rewards.score_batch(texts, [g for g in golds[start : start + per_call] for _ in range(k)], reward_cfg)
+        gold = [g for g in golds[start : start + per_call] for _ in range(k)]
+        _, correct, _ = rewards.score_batch(texts, gold, reward_cfg)
         for j in range(len(texts) // k):
             rows = range(j * k, (j + 1) * k)
             records.append({"gold": golds[start + j], "correct": [bool(correct[i]) for i in rows],
-                            "answers": [rewards.extract_answer(texts[i], reward_cfg.last_number_fallback) for i in rows],
+                            "answers": [rewards.extract_answer(texts[i], reward_cfg.last_number_fallback)
+                                        for i in rows],
                             "tokens": ro.completion_len[rows].tolist(), "truncated": ro.truncated[rows].tolist(),
                             "entropy": ro.entropy[rows].tolist(), "sample": texts[j * k]})  # a completion to read
             if keep:
-                comp = [slice(int(ro.prompt_len[i]), int(ro.seq_len[i])) for i in rows]
-                records[-1] |= {"completions": [texts[i] for i in rows], "ids": [ro.tokens[i, c].tolist() for i, c in zip(rows, comp)],
-                                "behav_logp": [ro.behav_logp[i, c].tolist() for i, c in zip(rows, comp)]}
+                comp = [(i, slice(int(ro.prompt_len[i]), int(ro.seq_len[i]))) for i in rows]
+                records[-1] |= {"completions": [texts[i] for i in rows], "behav_logp": [ro.behav_logp[i, c].tolist()
+                                for i, c in comp], "ids": [ro.tokens[i, c].tolist() for i, c in comp]}
     return records
 
 
@@ -103,17 +105,19 @@ def summarize(records: list[dict]) -> dict[str, float]:
     truncation over all samples; entropy a token mean (samples weigh by their length)."""
     acc = [sum(r["correct"]) / len(r["correct"]) for r in records]
     tokens = [t for r in records for t in r["tokens"]]
-    return {"accuracy": statistics.fmean(acc), "accuracy_se": statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1 else 0.0,
-            "pass@k": statistics.fmean(pass_at_k(len(r["correct"]), sum(r["correct"]), len(r["correct"])) for r in records),
-            "maj@k": statistics.fmean(maj_at_k(r["answers"], r["correct"]) for r in records),
-            "response_len": statistics.fmean(tokens), "truncation_rate": statistics.fmean(t for r in records for t in r["truncated"]),
+    se = statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1 else 0.0
+    return {"accuracy": statistics.fmean(acc), "accuracy_se": se, "pass@k": statistics.fmean(
+                pass_at_k(len(r["correct"]), sum(r["correct"]), len(r["correct"])) for r in records),
+            "maj@k": statistics.fmean(maj_at_k(r["answers"], r["correct"]) for r in records), "response_len":
+            statistics.fmean(tokens), "truncation_rate": statistics.fmean(t for r in records for t in r["truncated"]),
             "entropy": sum(e * n for r in records for e, n in zip(r["entropy"], r["tokens"])) / max(1, sum(tokens)),
             "n": len(records)}
 
 
 def macro(results: dict[str, dict]) -> dict[str, float]:
     """Every benchmark weighs the same."""
-    return {m: statistics.fmean(r[m] for r in results.values()) for m in METRICS} | {"n": sum(r["n"] for r in results.values())}
+    return {m: statistics.fmean(r[m] for r in results.values()) for m in METRICS} | {
+        "n": sum(r["n"] for r in results.values())}
 
 
 def results_table(results: dict[str, dict], k: int) -> str:
@@ -122,7 +126,8 @@ def results_table(results: dict[str, dict], k: int) -> str:
     return "\n".join([f"| benchmark | problems | avg@{k} | pass@{k} | maj@{k} | tokens | trunc | entropy |",
                       "|---|---:|---:|---:|---:|---:|---:|---:|"] + [
         f"| {name} | {r['n']} | " + " | ".join(f"{100 * r[m]:.1f}" for m in METRICS[:3])
-        + f" | {r['response_len']:.1f} | {100 * r['truncation_rate']:.1f}% | {r['entropy']:.3f} |" for name, r in rows.items()])
+        + f" | {r['response_len']:.1f} | {100 * r['truncation_rate']:.1f}% | {r['entropy']:.3f} |"
+        for name, r in rows.items()])
 
 
 # ------------------------------------------------------------------------------------------- comparing runs
@@ -139,19 +144,23 @@ def load_run(path: str | Path) -> dict:
     strategy = summary.get("strategy") or (config.get("replay") or {}).get("strategy")
     if strategy is None:
         raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
-    start = [(0, 0.0, summary["eval_accuracy_initial"], 0.0)] if summary.get("eval_accuracy_initial") is not None else []
+    acc0 = summary.get("eval_accuracy_initial")
+    start = [(0, 0.0, acc0, 0.0)] if acc0 is not None else []
     curve = start + [(r["step"], r.get("tokens/generated_total", r["generated_tokens"]), r["eval/accuracy"],
                       r.get("eval/accuracy_se", 0.0)) for r in rows if r.get("eval/accuracy") is not None]
     last = rows[-1] if rows else {}
     return {"path": str(path), "strategy": strategy, "seed": summary.get("seed", config.get("seed")), "curve": curve,
-            "final": curve[-1][2] if curve else None, "length": summary.get("eval_response_len_final", last.get("eval/response_len")),
-            "tokens": summary.get("tokens_generated_total", last.get("tokens/generated_total", last.get("generated_tokens"))),
+            "final": curve[-1][2] if curve else None,
+            "length": summary.get("eval_response_len_final", last.get("eval/response_len")),
+            "tokens": summary.get("tokens_generated_total", last.get("tokens/generated_total",
+                                                                     last.get("generated_tokens"))),
             "entropy": summary.get("eval_entropy_final", last.get("eval/entropy"))}
 
 
 def sustained_crossing(curve: list[tuple], target: float) -> float | None:
     """Generated tokens where the eval curve (step, tokens, accuracy, standard error) first reaches `target` by linear
-    interpolation between evals, counting a crossing only if every later eval stays ≥ target − its standard error."""
+    interpolation between evals, counting a crossing only if every later eval stays ≥ target − its standard
+    error."""
     for j, (_, x, y, _) in enumerate(curve):
         if y >= target and all(y2 >= target - se for _, _, y2, se in curve[j + 1 :]):
             if j == 0:
@@ -165,7 +174,8 @@ def bootstrap(values: list[float], stat=statistics.median, level: float = 0.95) 
     """Percentile bootstrap interval of `stat` over `values` (seeds): every resample when there are ≤ 6 values,
     else 20,000 drawn with a fixed seed. Unreached targets enter as inf."""
     n = len(values)
-    draws = itertools.product(values, repeat=n) if n <= 6 else (random.Random(0).choices(values, k=n) for _ in range(20_000))
+    rng = random.Random(0)
+    draws = itertools.product(values, repeat=n) if n <= 6 else (rng.choices(values, k=n) for _ in range(20_000))
     stats = sorted(stat(d) for d in draws)
 
     def percentile(q):  # linear between neighbours, as numpy's default, but inf stays inf
@@ -210,7 +220,8 @@ def compare_runs(runs: list[dict], baseline: str = "none", target: float | None 
     for r in runs:
         x = sustained_crossing(r["curve"], target) if not math.isnan(target) else None
         r |= {"tokens_to_target": x, "tokens_ratio": x / T_b if x is not None and T_b > 0 else None,
-              "aes": aes(r["length"], r["final"], L_b, A_b, *aes_weights) if None not in (r["length"], r["final"]) else math.nan}
+              "aes": math.nan if None in (r["length"], r["final"]) else aes(r["length"], r["final"], L_b, A_b,
+                                                                             *aes_weights)}
     groups = {}
     for r in runs:
         groups.setdefault(r["strategy"], []).append(r)
@@ -224,7 +235,8 @@ def compare_runs(runs: list[dict], baseline: str = "none", target: float | None 
                         "p_vs_base": welch_p(acc, [r["final"] for r in base]) if s != baseline else math.nan,
                         "aes_mean": statistics.fmean(aes_v) if aes_v else math.nan,
                         "aes_ci": bootstrap(aes_v, statistics.fmean) if aes_v else (math.nan,) * 2,
-                        "entropy": statistics.fmean(r["entropy"] for r in g) if all(r["entropy"] is not None for r in g) else math.nan,
+                        "entropy": math.nan if any(r["entropy"] is None for r in g) else
+                        statistics.fmean(r["entropy"] for r in g),
                         "tokens": statistics.fmean(r["tokens"] for r in g)})
     return runs, summary, target
 
@@ -233,14 +245,16 @@ def compare_table(summary: list[dict], target: float, baseline: str = "none") ->
     def ci(a, b, scale=1.0, fmt=".2f"):
         return "–".join("∞" if math.isinf(x) else f"{scale * x:{fmt}}" for x in (a, b))
 
-    lines = [f"| strategy | seeds | final acc % (95% CI) | p vs {baseline} | tokens to {100 * target:.1f}% ÷ {baseline}'s: "
-             f"median (95% CI) [per seed] | reached | AES vs {baseline} (95% CI) | eval entropy | tokens generated |",
+    lines = [f"| strategy | seeds | final acc % (95% CI) | p vs {baseline} | tokens to {100 * target:.1f}% ÷ "
+             f"{baseline}'s: median (95% CI) [per seed] | reached | AES vs {baseline} (95% CI) | eval entropy | "
+             "tokens generated |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         ratio = "never reached" if math.isinf(s["ratio_median"]) else f"{s['ratio_median']:.2f}"
         seeds = " / ".join("–" if math.isinf(x) else f"{x:.2f}" for x in s["ratios"])
         p = "" if math.isnan(s["p_vs_base"]) else f"{s['p_vs_base']:.3f}"
-        lines.append(f"| {s['strategy']} | {s['seeds']} | {100 * s['acc_mean']:.1f} ({ci(*s['acc_ci'], 100, '.1f')}) | {p} | "
+        acc = f"{100 * s['acc_mean']:.1f} ({ci(*s['acc_ci'], 100, '.1f')})"
+        lines.append(f"| {s['strategy']} | {s['seeds']} | {acc} | {p} | "
                      f"{ratio} ({ci(*s['ratio_ci'])}) [{seeds}] | {s['reached']}/{s['seeds']} | {s['aes_mean']:.3f} "
                      f"({ci(*s['aes_ci'], fmt='.3f')}) | {s['entropy']:.3f} | {s['tokens']:.3g} |")
     return "\n".join(lines)
@@ -259,12 +273,14 @@ def run_compare(args) -> None:
         runs = [load_run(d) for d in args.compare]
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
-    rows, summary, target = compare_runs(runs, args.baseline, args.target, (args.aes_alpha, args.aes_beta, args.aes_gamma))
+    weights = (args.aes_alpha, args.aes_beta, args.aes_gamma)
+    rows, summary, target = compare_runs(runs, args.baseline, args.target, weights)
     print(compare_table(summary, target, args.baseline))
     out = Path(args.out_dir or "eval_results/compare")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "compare.csv", "w", newline="") as f:
-        keys = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target", "tokens_ratio", "aes"]
+        keys = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target", "tokens_ratio",
+                "aes"]
         csv.DictWriter(f, fieldnames=keys, extrasaction="ignore").writerows([dict(zip(keys, keys))] + rows)
     (out / "compare.json").write_text(json.dumps({"target": target, "strategies": summary, "runs": rows}, indent=1))
     print(f"\nwrote {out / 'compare.csv'} and {out / 'compare.json'}")
@@ -278,7 +294,8 @@ def default_out_dir(model: str) -> Path:
 
 
 def run_eval(args) -> None:
-    for ok, msg in [(args.k >= 1, f"--k must be ≥ 1, got {args.k}"), (args.limit is None or args.limit >= 1, "--limit must be ≥ 1"),
+    for ok, msg in [(args.k >= 1, f"--k must be ≥ 1, got {args.k}"),
+                    (args.limit is None or args.limit >= 1, "--limit must be ≥ 1"),
                     (args.max_new_tokens >= 1, f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}"),
                     (args.batch_size >= 1, f"--batch-size must be ≥ 1, got {args.batch_size}"),
                     (args.temperature >= 0, f"--temperature must be ≥ 0, got {args.temperature}"),
@@ -292,14 +309,16 @@ def run_eval(args) -> None:
     benchmarks = {}
     for spec in args.benchmarks.split(","):
         try:  # all data first, so a typo fails before a slow model load
-            name = spec if spec in NAMED or spec in ("tiny", "tiny_train") or spec.startswith("hf:") else Path(spec).stem
+            named = spec in NAMED or spec in ("tiny", "tiny_train") or spec.startswith("hf:")
+            name = spec if named else Path(spec).stem
             benchmarks[name] = load_problems(spec, data_dir=args.data_dir, problem_key=args.problem_key,
                                              answer_key=args.answer_key, limit=args.limit)
         except (ValueError, FileNotFoundError, ImportError, TypeError) as e:
             fail(str(e))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        model, tokenizer = load_model(args.model, args.trust_remote_code, torch.bfloat16 if device == "cuda" else torch.float32)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model, tokenizer = load_model(args.model, args.trust_remote_code, dtype)
         stop = end_ids(tokenizer, model, args.chat_template, args.stop_tokens.split(",") if args.stop_tokens else [])
     except Exception as e:  # noqa: BLE001 -- any failure to load is one line about the model
         fail(f"cannot load model {args.model}: {' '.join(str(e).split())[:300] or type(e).__name__}")
@@ -308,14 +327,16 @@ def run_eval(args) -> None:
     torch.manual_seed(args.seed)
     results, records = {}, {}
     for name, problems in benchmarks.items():
-        prompts = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template, args.system_prompt) for p in problems]
+        prompts = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template, args.system_prompt)
+                   for p in problems]
         records[name] = evaluate(model.to(device), tokenizer, prompts, [p.answer for p in problems], sampling,
                                  rewards.RewardConfig(), stop, desc=name, keep=bool(args.save_correct))
         [r.update(id=p.id) for p, r in zip(problems, records[name])]
         results[name] = summarize(records[name])
     if args.save_correct:
         tokens = sum(t for recs in records.values() for r in recs for t in r["tokens"])
-        meta = {"generated_tokens": tokens, "model": args.model, "k": args.k, "temperature": args.temperature, "top_p": args.top_p}
+        meta = {"generated_tokens": tokens, "model": args.model, "k": args.k, "temperature": args.temperature,
+                "top_p": args.top_p}
         n = save_correct(args.save_correct, [p for ps in benchmarks.values() for p in ps],
                          [r for recs in records.values() for r in recs], meta)
         print(f"wrote {n} verified-correct completions to {args.save_correct} ({tokens} tokens generated)")
@@ -350,9 +371,11 @@ def main(argv: list[str] | None = None) -> None:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model", help="local checkpoint folder or Hugging Face model id")
     mode.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="training run folders to compare")
-    ap.add_argument("--out-dir", help="where results go (default: <run>/eval/<model>, eval_results/<model>, eval_results/compare)")
+    ap.add_argument("--out-dir", help="where results go (default: <run>/eval/<model>, eval_results/<model>, "
+                    "eval_results/compare)")
     g = ap.add_argument_group("evaluating a model")
-    g.add_argument("--benchmarks", default="tiny", help=f"comma list of tiny, {', '.join(NAMED)}, .jsonl/.parquet paths, hf:NAME")
+    g.add_argument("--benchmarks", default="tiny", help=f"comma list of tiny, {', '.join(NAMED)}, .jsonl/.parquet "
+                   "paths, hf:NAME")
     g.add_argument("--data-dir", help="folder holding the benchmark files (math500_test.jsonl, ...)")
     g.add_argument("--problem-key", help="problem field of a custom file (default: problem/question/prompt)")
     g.add_argument("--answer-key", help="answer field of a custom file (default: answer/solution)")
@@ -363,8 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--max-new-tokens", type=int, default=1024)
     g.add_argument("--batch-size", type=int, default=64, help="sequences per generate call")
-    g.add_argument("--template", default=DEFAULT_TEMPLATE, help="instruction text; {problem} is replaced by the problem")
-    g.add_argument("--no-chat-template", dest="chat_template", action="store_false", help="plain prompts, no chat template")
+    g.add_argument("--template", default=DEFAULT_TEMPLATE, help="instruction text, {problem} replaced by the problem")
+    g.add_argument("--no-chat-template", dest="chat_template", action="store_false", help="plain prompts")
     g.add_argument("--system-prompt", default="", help="system turn of the chat template (empty = none)")
     g.add_argument("--stop-tokens", default="", help="comma-separated extra end tokens")
     g.add_argument("--seed", type=int, default=0)
@@ -373,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--overwrite", action="store_true", help="replace existing results")
     c = ap.add_argument_group("comparing runs")
     c.add_argument("--baseline", default="none", help="strategy the ratios, p-values and AES are measured against")
-    c.add_argument("--target", type=float, help="eval accuracy (0-1) for tokens-to-target (default: baseline's final mean)")
+    c.add_argument("--target", type=float, help="eval accuracy (0-1) for tokens-to-target (default: the baseline's "
+                   "final mean)")
     c.add_argument("--aes-alpha", type=float, default=1.0)
     c.add_argument("--aes-beta", type=float, default=3.0)
     c.add_argument("--aes-gamma", type=float, default=5.0)

@@ -173,7 +173,8 @@ def completion_logprobs(model, tokens: Tensor, prompt_len: Tensor, seq_len: Tens
     prefix = torch.where(ar[None, :P] < n_prefix[:, None], tokens[:, :P], 0)  # (B, P), right-padded
     distinct, row_prefix = torch.unique(torch.cat([n_prefix[:, None], prefix], 1), dim=0, return_inverse=True)
     prefix_mask = (ar[None, :P] < distinct[:, :1]).long()  # (n, P)
-    cache = model(input_ids=distinct[:, 1:], attention_mask=prefix_mask, use_cache=True, logits_to_keep=1).past_key_values
+    cache = model(input_ids=distinct[:, 1:], attention_mask=prefix_mask, use_cache=True,
+                  logits_to_keep=1).past_key_values
     if cache is None or cache.get_seq_length() == 0:
         raise RuntimeError("the model returned no KV cache (gradient checkpointing?): call with share_prompt=False")
     cache.batch_select_indices(row_prefix)
@@ -198,7 +199,8 @@ def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tens
     None → logp.detach(), exact when each batch gets one optimizer step (the weights have not moved yet); advantages
     (B,); mask (B, L) completion tokens; onpolicy (B,) rows whose μ is by definition π_prox (base = π_prox, w = 1).
     n_seqs and n_tokens count the WHOLE optimizer batch, so summing this loss over micro-batches gives the full loss:
-        grpo: Σ_i (Σ_t L_it / |o_i|) / n_seqs    dapo: Σ_it L_it / n_tokens    dr_grpo: Σ_it L_it / (n_seqs · max_new_tokens)
+        grpo: Σ_i (Σ_t L_it / |o_i|) / n_seqs    dapo: Σ_it L_it / n_tokens
+        dr_grpo: Σ_it L_it / (n_seqs · max_new_tokens)
     Metrics, all tensors that add up over micro-batches and ranks: the loss, the token count `tokens`, and token sums
     (clip fractions, approx_kl, is_weight_mean, entropy, kl_ref: divide by `tokens` once added); only is_weight_max
     and is_weight_min take a max / min. is_weight is π_prox/μ before truncation (1 on on-policy rows).
@@ -240,7 +242,8 @@ def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tens
             return valid(x.to(logp.dtype)).sum()
 
         metrics = {"loss": loss.detach(), "tokens": total(torch.ones_like(r)), "clip_dual": total(dual),
-                   "clip_low": total((A < 0) & (r < 1 - cfg.eps_low)), "clip_high": total((A > 0) & (r > 1 + cfg.eps_high)),
+                   "clip_low": total((A < 0) & (r < 1 - cfg.eps_low)),
+                   "clip_high": total((A > 0) & (r > 1 + cfg.eps_high)),
                    "approx_kl": total((r - 1) - log_ratio.detach()), "is_weight_mean": total(raw_w),
                    "is_capped": total(raw_w > cfg.is_cap) * decoupled,
                    "is_weight_max": raw_w[m].max() if m.any() else torch.tensor(-math.inf),
@@ -279,8 +282,8 @@ def _logprobs(model, mb, cfg, device, with_entropy=False):
 
 
 def no_grad_logprobs(model, batch, cfg, compute, device, with_entropy=False) -> tuple[Tensor, Tensor]:
-    """(B, L) log-probs (and entropies) of `batch`'s rows under `model`, without gradients, optim.logprob_batch_size rows
-    at a time. Under FSDP each forward is collective, so a rank with fewer chunks repeats a chunk (discarded)."""
+    """(B, L) log-probs (and entropies) of `batch`'s rows under `model`, without gradients, optim.logprob_batch_size
+    rows at a time. Under FSDP each forward is collective, so a rank with fewer chunks repeats a chunk (discarded)."""
     logp, ent = torch.zeros(batch.tokens.shape), torch.zeros(batch.tokens.shape)
     chunks = list(torch.argsort(batch.completion_len).split(cfg.optim.logprob_batch_size))
     for j in range(int(all_ranks(len(chunks), dist.ReduceOp.MAX if dist.is_initialized() else None))):
@@ -291,6 +294,16 @@ def no_grad_logprobs(model, batch, cfg, compute, device, with_entropy=False) -> 
             logp[rows, : lp.shape[1]] = lp.float().cpu()
             ent[rows, : lp.shape[1]] = e.float().cpu() if with_entropy else 0.0
     return logp, ent
+
+
+def lr_at(step: int, cfg) -> float:
+    """Learning rate of generation step `step` (0-based): linear warm-up, then constant or cosine decay."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
+    cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return o.lr * (cosine if o.schedule == "cosine" else 1.0)
 
 
 def update_policy(cfg, model, policy, optimizer, batch, device, compute=nullcontext(), ref=None) -> tuple:
@@ -342,7 +355,8 @@ def update_policy(cfg, model, policy, optimizer, batch, device, compute=nullcont
                         (loss * (world if j < len(micro) else 0.0)).backward()
                 if j < len(micro):
                     entropy[idx] = ((ent * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
-                    hi, lo = torch.maximum(hi, m.pop("is_weight_max").cpu()), torch.minimum(lo, m.pop("is_weight_min").cpu())
+                    hi = torch.maximum(hi, m.pop("is_weight_max").cpu())
+                    lo = torch.minimum(lo, m.pop("is_weight_min").cpu())
                     sums = {k: sums.get(k, 0.0) + v.double().cpu() for k, v in m.items()}
         with timed(times, "optimizer"):
             steps.append(_optimizer_step(cfg, model, optimizer, sums, hi, lo, total[2] > 0))

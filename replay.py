@@ -267,7 +267,7 @@ class AperReplay(Replay):
         k = min(round(self.cfg.ratio * len(fresh)), len(self))  # never more draws than stored rows
         weight = torch.where(self.valid, self.score, 0.0)  # (C,)
         # With replacement, a row's expected count in the batch is exactly k · P(row); a high-|A| row may appear twice.
-        slots = torch.multinomial(weight, k, replacement=True, generator=self.gen) if k else torch.zeros(0, dtype=torch.long)
+        slots = torch.multinomial(weight, k, replacement=True, generator=self.gen) if k else self._stored()[:0]
         rows = self._read(slots, fresh)
         if k:
             self.last |= {"priority_min": self.score[self.valid].min().item(), "priority_max": weight.max().item()}
@@ -305,7 +305,8 @@ class RlepReplay(Replay):
             rows.append((prompts[i] + ids, len(prompts[i]), lp[: len(ids)], False, 0.0, i))
         if not rows:
             raise ValueError(f"replay.rlep_source {path} holds no solutions")
-        ro = pack([r[:5] for r in rows], self.pad_id, torch.tensor([r[5] for r in rows]), torch.full((len(rows),), -1), 0)
+        idx = torch.tensor([r[5] for r in rows])
+        ro = pack([r[:5] for r in rows], self.pad_id, idx, torch.full((len(rows),), -1), 0)
         ro.reward, ro.correct = torch.full((len(rows),), cfg.reward.correct), torch.ones(len(rows), dtype=torch.bool)
         self._write(ro)
         meta = Path(path + ".meta.json")
@@ -349,7 +350,7 @@ class ExgrpoReplay(Replay):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.retired, self.latched, self.chosen = torch.zeros(0, dtype=torch.long), False, torch.zeros(0, dtype=torch.long)
+        self.retired, self.chosen, self.latched = self._stored()[:0], self._stored()[:0], False  # empty int64
 
     @staticmethod
     def check(cfg):
@@ -373,7 +374,8 @@ class ExgrpoReplay(Replay):
 
     def _draw(self, pool, k, n, G):
         """n questions: a bucket by its Gaussian weight among buckets with questions left, then one of them."""
-        left = {b: pool[k == b][torch.randperm(int((k == b).sum()), generator=self.gen)].tolist() for b in k.unique().tolist()}
+        left = {b: pool[k == b][torch.randperm(int((k == b).sum()), generator=self.gen)].tolist()
+                for b in k.unique().tolist()}
         out = []
         for _ in range(n):
             buckets = [b for b in left if left[b]]
@@ -382,7 +384,8 @@ class ExgrpoReplay(Replay):
         return torch.tensor(out, dtype=torch.long)
 
     def before_advantages(self, fresh, step):
-        chosen, self.chosen = self.chosen[torch.isin(self.rows.prompt_idx[self.chosen], fresh.prompt_idx)], self.chosen[:0]
+        chosen = self.chosen[torch.isin(self.rows.prompt_idx[self.chosen], fresh.prompt_idx)]
+        self.chosen = self.chosen[:0]
         rows = self._read(chosen, fresh)  # (a question dynamic sampling dropped keeps its stored row)
         by_prompt = dict(zip(fresh.prompt_idx.tolist(), fresh.group.tolist()))
         rows.group = torch.tensor([by_prompt[p] for p in rows.prompt_idx.tolist()], dtype=torch.long)
@@ -397,10 +400,15 @@ class ExgrpoReplay(Replay):
         self.retired = torch.unique(torch.cat([self.retired, solved]))
         self._evict(torch.isin(self.rows.prompt_idx, solved), "retired")
         if self.latched:
-            seen = {(p, tuple(t[:s].tolist())) for p, t, s in zip(self.rows.prompt_idx[self.valid],
-                                                                 self.rows.tokens[self.valid], self.rows.seq_len[self.valid])}
-            keep = [i for i in range(len(batch)) if not batch.replayed[i] and batch.correct[i] and 0 < k[inv[i]] < n[inv[i]]
-                    and (int(batch.prompt_idx[i]), tuple(batch.tokens[i, : batch.seq_len[i]].tolist())) not in seen]
+            v = self.valid
+            seen = {(int(p), tuple(t[:n].tolist())) for p, t, n in zip(self.rows.prompt_idx[v], self.rows.tokens[v],
+                                                                      self.rows.seq_len[v])}
+            keep = []
+            for i in range(len(batch)):
+                row = (int(batch.prompt_idx[i]), tuple(batch.tokens[i, : batch.seq_len[i]].tolist()))
+                if not batch.replayed[i] and batch.correct[i] and 0 < k[inv[i]] < n[inv[i]] and row not in seen:
+                    keep.append(i)
+                    seen.add(row)  # a completion sampled twice in one batch is kept once
             self._write(batch.select(torch.tensor(keep, dtype=torch.long)))
             for g in torch.nonzero((k > 0) & (k < n)).squeeze(1).tolist():  # every stored row learns its question's k
                 self.score[self.valid & (self.rows.prompt_idx == batch.prompt_idx[inv == g][0])] = k[g]
@@ -428,6 +436,10 @@ class GroupReplay(Replay):
         ids, inv, std = groups_of(fresh)
         priority = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, fresh.advantage.abs().double()) * std
         keep = (std > 0)[inv]
+        size = torch.bincount(inv, minlength=len(ids)) * (std > 0)  # (K,) rows each group would store
+        fits = (size.flip(0).cumsum(0).flip(0) <= len(self.valid))[inv]  # the last groups that fit whole
+        self.evicted["capacity"] += int((keep & ~fits).sum())
+        keep &= fits
         next_slots = (self.head + torch.arange(min(int(keep.sum()), len(self.valid)))) % len(self.valid)
         overwritten = self.rows.group[next_slots][self.valid[next_slots]]
         self._evict(torch.isin(self.rows.group, overwritten), "capacity")  # never keep part of a group

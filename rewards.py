@@ -639,8 +639,9 @@ def score_batch(completions: list[str], golds: list, cfg: RewardConfig) -> tuple
 
 
 def overlong_penalty(lengths, max_new_tokens: int, cfg: RewardConfig):
-    """DAPO's soft overlong punishment for completion lengths (a tensor), added to the reward: 0 up to max_new_tokens
-    − overlong_buffer tokens, then falling linearly to −overlong_factor at max_new_tokens; 0 when the buffer is 0."""
+    """DAPO's soft overlong punishment for completion lengths (a tensor), added to the reward: 0 up to
+    max_new_tokens − overlong_buffer tokens, then falling linearly to −overlong_factor at max_new_tokens (0 when
+    the buffer is 0)."""
     if cfg.overlong_buffer <= 0:
         return 0.0 * lengths
     return -cfg.overlong_factor * (lengths - (max_new_tokens - cfg.overlong_buffer)).clamp(min=0) / cfg.overlong_buffer

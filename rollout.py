@@ -15,10 +15,14 @@ of them came within max_new_tokens.
 
 from __future__ import annotations
 
+import os
+import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -45,7 +49,7 @@ class RolloutConfig:
     mask_truncated: bool = False
     """Leave truncated rows out of the loss (DAPO's overlong filtering); they still count in their group's advantage."""
     dynamic_sampling: int = 0
-    """DAPO's dynamic sampling: up to this many generation rounds per step, keeping groups with a reward spread (0 = off)."""
+    """DAPO's dynamic sampling: up to this many generation rounds a step, keeping groups with a reward spread."""
 
     def check(self) -> dict[str, tuple[bool, str]]:
         G, n = self.group_size, self.batch_size
@@ -53,7 +57,8 @@ class RolloutConfig:
                 "batch_size": (n > 0 and G > 0 and n % G == 0, f"a positive multiple of rollout.group_size ({G})"),
                 "max_new_tokens": (self.max_new_tokens > 0, "> 0"), "temperature": (0 < self.temperature < 1e6, "> 0"),
                 "top_p": (0 < self.top_p <= 1, "in (0, 1]"), "top_k": (self.top_k >= 0, "≥ 0 (0 = off)"),
-                "gen_batch_size": (self.gen_batch_size > 0, "> 0"), "dynamic_sampling": (self.dynamic_sampling >= 0, "≥ 0")}
+                "gen_batch_size": (self.gen_batch_size > 0, "> 0"),
+                "dynamic_sampling": (self.dynamic_sampling >= 0, "≥ 0 (0 = off)")}
 
 
 DTYPES = dict.fromkeys(("reward", "advantage", "entropy"), torch.float32) | dict.fromkeys(
@@ -88,9 +93,9 @@ class Rollouts:
     @staticmethod
     def empty(B: int, L: int, pad_id: int) -> Rollouts:
         """B blank rows of length L: pad tokens, zeros, False, slot -1."""
-        dtype, two_d = DTYPES, {"tokens": torch.full((B, L), pad_id), "behav_logp": torch.zeros(B, L)}
-        return Rollouts(**{f.name: two_d.get(f.name, torch.full((B,), -(f.name == "slot"), dtype=dtype.get(f.name, torch.long)))
-                           for f in fields(Rollouts)})
+        rows = {f.name: torch.full((B,), -(f.name == "slot"), dtype=DTYPES.get(f.name, torch.long))
+                for f in fields(Rollouts)}
+        return Rollouts(**rows | {"tokens": torch.full((B, L), pad_id), "behav_logp": torch.zeros(B, L)})
 
     @property
     def completion_len(self) -> torch.Tensor:  # (B,)
@@ -114,8 +119,8 @@ class Rollouts:
         def pad(x, fill):
             return torch.nn.functional.pad(x, (0, L - x.shape[1]), value=fill) if x.dim() == 2 else x
 
-        return Rollouts(**{f.name: torch.cat([pad(getattr(p, f.name), pad_id if f.name == "tokens" else 0) for p in parts])
-                           for f in fields(Rollouts)})
+        return Rollouts(**{f.name: torch.cat([pad(getattr(p, f.name), pad_id if f.name == "tokens" else 0)
+                                              for p in parts]) for f in fields(Rollouts)})
 
 
 def pack(rows: list, pad_id: int, prompt_idx: torch.Tensor, group: torch.Tensor, step: int) -> Rollouts:
@@ -124,7 +129,7 @@ def pack(rows: list, pad_id: int, prompt_idx: torch.Tensor, group: torch.Tensor,
     for b, (seq, plen, lp, truncated, entropy) in enumerate(rows):
         ro.tokens[b, : len(seq)], ro.behav_logp[b, plen : len(seq)] = torch.as_tensor(seq), torch.as_tensor(lp)
         ro.prompt_len[b], ro.seq_len[b], ro.truncated[b], ro.entropy[b] = plen, len(seq), bool(truncated), entropy
-    ro.prompt_idx, ro.group, ro.born, ro.onpolicy[:] = prompt_idx.long(), group.long(), torch.full((len(rows),), step), True
+    ro.prompt_idx, ro.group, ro.born[:], ro.onpolicy[:] = prompt_idx.long(), group.long(), step, True
     return ro
 
 
@@ -161,9 +166,48 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     ref.requires_grad_(False).eval() if ref is not None else None
     policy = torch.compile(model) if cfg.model.compile else model
     if world > 1 and not fsdp:  # buffers never change: forwards need no broadcast
-        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=None if device.index is None else [device.index],
-                                                           broadcast_buffers=False)
-    return model, policy, tokenizer, ref, torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp else nullcontext()
+        ids = None if device.index is None else [device.index]
+        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids, broadcast_buffers=False)
+    compute = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp else nullcontext()
+    return model, policy, tokenizer, ref, compute
+
+
+def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> None:
+    """Every rank: write an HF model folder (float32 safetensors, gathered from FSDP shards; the tokenizer) and this
+    rank's trainer state to a temporary folder, fsync every file, rename it to `folder`. A failure on any rank (a
+    full disk raises OSError, SafetensorError or RuntimeError alike) removes it and raises OSError on every rank."""
+    rank, tmp, error = dist.get_rank() if dist.is_initialized() else 0, folder.with_name(f".tmp_{folder.name}"), ""
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)
+        dist.barrier() if dist.is_initialized() else None
+        weights = model.state_dict()
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            model.save_pretrained(tmp, state_dict=weights), tokenizer.save_pretrained(tmp)
+        torch.save(state, tmp / f"state_rank{rank}.pt") if state is not None else None
+        [fsync(f) for f in tmp.iterdir()]
+    except Exception as e:  # noqa: BLE001 -- reported below, on every rank
+        error = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    failed = torch.tensor(float(bool(error)))
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX) if dist.is_initialized() else None
+    if failed:
+        shutil.rmtree(tmp, ignore_errors=True) if rank == 0 else None
+        raise OSError(f"{folder} could not be written ({error or 'on another rank'})")
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # only there when a resumed run redoes its last step
+        os.replace(tmp, folder), fsync(folder.parent)
+    dist.barrier() if dist.is_initialized() else None
+
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd), os.close(fd)
+
 
 
 @contextmanager
@@ -185,7 +229,8 @@ def prompt_ids(tokenizer, problem: str, template: str, chat: bool, system_prompt
     writes its own BOS; plain text gets the tokenizer's special tokens (BOS where it adds one)."""
     text, chat = template.replace("{problem}", problem), chat and bool(tokenizer.chat_template)
     if chat:
-        turns = [{"role": "system", "content": system_prompt}] * bool(system_prompt) + [{"role": "user", "content": text}]
+        turns = [{"role": "system", "content": system_prompt}] * bool(system_prompt)
+        turns.append({"role": "user", "content": text})
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=not chat)["input_ids"]
 
@@ -204,7 +249,8 @@ def end_of_turn(tokenizer) -> int | None:
     """The special token a chat template writes right after an assistant turn (<|im_end|>, <|eot_id|>, ...)."""
     try:
         turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "MARK"}]
-        ids = tokenizer(tokenizer.apply_chat_template(turns, tokenize=False).rsplit("MARK", 1)[1], add_special_tokens=False)
+        after = tokenizer.apply_chat_template(turns, tokenize=False).rsplit("MARK", 1)[1]
+        ids = tokenizer(after, add_special_tokens=False)
     except Exception:  # noqa: BLE001 -- a template that refuses this conversation gives no end of turn to learn from it
         return None
     return ids["input_ids"][0] if ids["input_ids"] and ids["input_ids"][0] in tokenizer.all_special_ids else None
@@ -213,7 +259,7 @@ def end_of_turn(tokenizer) -> int | None:
 def end_ids(tokenizer, model, chat: bool, stop_tokens: list[str]) -> list[int]:
     """Every token that ends a completion (see the module docstring). Unknown stop tokens raise ValueError."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} | ({end_of_turn(tokenizer)} if chat else set())
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos]), end_of_turn(tokenizer) if chat else None}
     for s in stop_tokens:
         i = tokenizer.convert_tokens_to_ids(s)
         if not isinstance(i, int) or i == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(i) != s:
@@ -262,8 +308,8 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     counts = counts or [cfg.group_size] * len(prompts)
     expanded, rows, texts = [p for p, n in zip(prompts, counts) for _ in range(n)], [], []
     was_training, own, device = model.training, model.generation_config, next(model.parameters()).device
-    gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=stop or None,
-                               max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=
+                               cfg.max_new_tokens, eos_token_id=stop or None, pad_token_id=tokenizer.pad_token_id)
     model.eval()
     model.generation_config, stop_t = GenerationConfig(), torch.tensor(stop, dtype=torch.long, device=device)
     try:  # (the empty config: nothing of the model's own fills what gen_cfg leaves unset)

@@ -7,14 +7,15 @@ Usage:
   torchrun --nproc_per_node=8 train.py --config configs/papers/rlep_qwen25_math_7b.yaml --out_dir=runs/rlep
 
 Flags: --config FILE; --resume (the newest checkpoint) or --resume=step_000040; --overwrite (start over in a run's
-out_dir; the old run is kept aside until the new one has finished a step); --debug (tracebacks). Everything else is
-a dotted config override (config.py). Bad input is one line and exit 2, found before anything is created or deleted.
+out_dir, the old run kept aside until the new one has finished a step); --debug (tracebacks). Everything else is a
+dotted config override (config.py). Bad input is one line and exit 2, found before anything is created or deleted.
 
-One step: plan (replay may pick prompts) → rollout (HF generate, behaviour log-probs kept; rounds until enough groups
-with a reward spread when rollout.dynamic_sampling is on) → reward → advantages (RLEP and ExGRPO first add stored rows
-to groups) → replay sample → update (grpo.update_policy) → replay push → log → eval → checkpoint. Under torchrun each
-rank generates for its share of the prompts and keeps its own buffer; loss normalisers are global totals, so every
-rank applies the whole batch's update. Rank 0 logs and writes the model; each rank writes its own trainer state.
+A step: plan (replay may pick prompts) → rollout (HF generate, behaviour log-probs kept; rounds until enough groups
+have a reward spread under rollout.dynamic_sampling) → reward → advantages (RLEP and ExGRPO first add stored rows to
+groups) → replay sample → update (grpo.update_policy) → replay push → log → eval → checkpoint.
+Under torchrun each rank generates for its share of the prompts and keeps its own buffer; loss normalisers are
+global totals, so every rank applies the whole batch's update. Rank 0 logs and writes the model; each rank writes
+its own trainer state.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
@@ -47,21 +47,27 @@ from eval import evaluate, summarize
 from grpo import all_ranks, timed
 from replay import make_replay
 from rewards import overlong_penalty, score_batch
-from rollout import Rollouts, build_prompts, end_ids, full_weights, generate, load_policy, pack
+from rollout import Rollouts, build_prompts, end_ids, fsync, full_weights, generate, load_policy, pack, save_model
 
 RUN_FILES = {".run", ".lock", ".overwritten", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final",
              "wandb", "eval"}  # what runs write in out_dir: all --overwrite may set aside
 RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint.", "reward.workers", "reward.timeout",
              "reward.batch_budget", "model.gradient_checkpointing", "model.compile", "model.device",
              "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size")  # may change on --resume
+MAX = dist.ReduceOp.MAX
 
 
 class RunError(Exception):
     """Bad input, or a failed read or write, found while running: one line, exit 2."""
 
 
+def oneline(e: Exception, n: int = 300) -> str:
+    return " ".join(str(e).split())[:n]
+
+
 def main(argv: list[str]) -> int:
-    flags = {a.partition("=")[0]: a.partition("=")[2] for a in argv if a.partition("=")[0] in ("--resume", "--overwrite", "--debug")}
+    names = ("--resume", "--overwrite", "--debug")
+    flags = {a.partition("=")[0]: a.partition("=")[2] for a in argv if a.partition("=")[0] in names}
     try:
         cfg = load_config(None, [a for a in argv if a.partition("=")[0] not in flags])
         validate(cfg)
@@ -75,7 +81,7 @@ def main(argv: list[str]) -> int:
         return 2
 
 
-# ------------------------------------------------------------------------------------------- the run's folder
+# --------------------------------------------------------------------------------- the run's folder and checkpoints
 
 
 def check_out_dir(out: Path, resume: str | None, overwrite: bool) -> None:
@@ -89,7 +95,7 @@ def check_out_dir(out: Path, resume: str | None, overwrite: bool) -> None:
     if names and resume is None and not overwrite:
         raise RunError(f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over")
     if overwrite and (out / ".overwritten").exists():
-        raise RunError(f"{out}/.overwritten holds a run an interrupted --overwrite set aside; move it back or delete it")
+        raise RunError(f"{out}/.overwritten holds a run an interrupted --overwrite set aside; move it back or delete")
 
 
 def claim_out_dir(out: Path, overwrite: bool):
@@ -104,8 +110,7 @@ def claim_out_dir(out: Path, overwrite: bool):
             lock.seek(0)
             raise RunError(f"out_dir {out} is in use by another run (pid {lock.read().strip() or '?'})") from None
         lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
-        old = [p for p in out.iterdir() if p.name in RUN_FILES - {".run", ".lock"}] if overwrite else []
-        for p in old:
+        for p in [p for p in out.iterdir() if p.name in RUN_FILES - {".run", ".lock"}] if overwrite else []:
             (out / ".overwritten").mkdir(exist_ok=True)
             os.replace(p, out / ".overwritten" / p.name)
         if not (out / ".run").exists():
@@ -116,17 +121,11 @@ def claim_out_dir(out: Path, overwrite: bool):
 
 
 def restore_overwritten(out: Path) -> None:
-    for p in out.iterdir():
-        if p.name in RUN_FILES - {".run", ".lock", ".overwritten"}:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    for p in [p for p in out.iterdir() if p.name in RUN_FILES - {".run", ".lock", ".overwritten"}]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     for p in (out / ".overwritten").iterdir():
         os.replace(p, out / p.name)
     (out / ".overwritten").rmdir()
-
-
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd), os.close(fd)
 
 
 def write_file(path: Path, text: str) -> None:
@@ -140,61 +139,37 @@ def write_file(path: Path, text: str) -> None:
         raise RunError(f"{path} could not be written ({e.strerror or e}); the previous version is intact") from None
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
-
-
 def checkpoints(out: Path) -> list[Path]:
     """Complete checkpoints, oldest first: a folder is named step_N only once everything in it is on disk."""
     return sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir())
 
 
-def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> None:
-    """Every rank: write an HF model folder (float32 safetensors, gathered from FSDP shards; the tokenizer) and this
-    rank's trainer state to a temporary folder, fsync every file, rename it to `folder`. A failure on any rank (a
-    full disk raises OSError, SafetensorError or RuntimeError alike) removes it and is one line naming what is intact."""
-    rank, tmp, error = dist.get_rank() if dist.is_initialized() else 0, folder.with_name(f".tmp_{folder.name}"), ""
+def save(model, tokenizer, folder: Path, state: dict | None = None) -> None:
+    """rollout.save_model; a failure (a full disk, on any rank) is one line naming the newest intact checkpoint."""
     try:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)
-        dist.barrier() if dist.is_initialized() else None
-        weights = model.state_dict()
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            model.save_pretrained(tmp, state_dict=weights), tokenizer.save_pretrained(tmp)
-        torch.save(state, tmp / f"state_rank{rank}.pt") if state is not None else None
-        [fsync(f) for f in tmp.iterdir()]
-    except Exception as e:  # noqa: BLE001 -- reported below, on every rank
-        error = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
-    if all_ranks(float(bool(error)), dist.ReduceOp.MAX if dist.is_initialized() else None):
-        shutil.rmtree(tmp, ignore_errors=True) if rank == 0 else None
+        save_model(model, tokenizer, folder, state)
+    except OSError as e:
         intact = checkpoints(folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent)
-        raise RunError(f"{folder} could not be written ({error or 'on another rank'}); "
-                       + (f"{intact[-1]} is intact: free space, then --resume" if intact else "no checkpoint is intact"))
-    if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)  # only there when a resumed run redoes its last step
-        os.replace(tmp, folder), fsync(folder.parent)
-    dist.barrier() if dist.is_initialized() else None
+        where = f"{intact[-1]} is intact: free space, then --resume" if intact else "no checkpoint is intact"
+        raise RunError(f"{e}; {where}") from None
 
 
 def save_checkpoint(r: Run) -> None:
     """checkpoints/step_N: the model, and per rank the run's progress, its replay buffer, RNG streams and optimizer
-    state (FSDP: its own shards, as plain local tensors; otherwise rank 0 alone, the state being the same everywhere)."""
+    state (FSDP: its own shards, as plain local tensors; else rank 0's alone, the state being the same everywhere)."""
     opt = r.optimizer.state_dict() if r.rank == 0 or r.sharded else None
     if opt:
         opt["state"] = {k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in s.items()}
                         for k, s in opt["state"].items()}
     state = {"replay": r.replay.state_dict(), "rng": rng_state(), "optimizer": opt, "world": r.world,
              "run": {**r.progress, "config": flat_dict(r.cfg)}}
-    save_model(r.model, r.tokenizer, r.out / "checkpoints" / f"step_{r.progress['step']:06d}", state)
-    if r.rank == 0:
-        [shutil.rmtree(old, ignore_errors=True) for old in checkpoints(r.out)[: -r.cfg.checkpoint.keep_last]]
+    save(r.model, r.tokenizer, r.out / "checkpoints" / f"step_{r.progress['step']:06d}", state)
+    for old in checkpoints(r.out)[: -r.cfg.checkpoint.keep_last] if r.rank == 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_state(ck: Path, rank: int) -> dict:
-    """This rank's trainer state from checkpoint `ck` (tensors and plain values only), its weights file checked whole."""
+    """This rank's trainer state from checkpoint `ck` (tensors and plain values only), its weights checked whole."""
     from safetensors import safe_open
 
     try:
@@ -209,7 +184,7 @@ def read_state(ck: Path, rank: int) -> dict:
         raise RunError(f"checkpoint {ck.name}: holds objects other than tensors and plain values; refusing to "
                        "unpickle them") from None
     except Exception as e:  # noqa: BLE001 -- missing, truncated, empty or foreign: all "damaged"
-        raise RunError(f"checkpoint {ck.name} is damaged ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+        raise RunError(f"checkpoint {ck.name} is damaged ({type(e).__name__}: {oneline(e, 120)})") from None
 
 
 def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
@@ -233,47 +208,36 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
 
 
 def restore(r: Run, ck: Path, state: dict) -> None:
-    """Continue the run saved in `ck` (its weights are already loaded): optimizer, buffer, RNG streams, progress."""
+    """Continue the run saved in `ck` (its weights are loaded already): optimizer, buffer, RNG streams, progress."""
     saved, step = state["run"]["config"], state["run"]["step"]
     changed = sorted(k for k, v in flat_dict(r.cfg).items() if k in saved and saved[k] != v)
-    refused = [k for k in changed if not k.startswith(RESUMABLE)]
-    if refused or r.cfg.max_steps < step or state["world"] != r.world:
-        raise RunError(f"--resume: {', '.join(refused)} differ from the checkpoint's and change what its state means; "
-                       "set them back or start a new run" if refused else f"--resume: max_steps ({r.cfg.max_steps}) is "
-                       f"below the checkpoint's step ({step})" if r.cfg.max_steps < step else f"checkpoint {ck.name} was "
-                       f"written by {state['world']} processes; resume it with as many")
+    if refused := [k for k in changed if not k.startswith(RESUMABLE)]:
+        raise RunError(f"--resume: {', '.join(refused)} differ from the checkpoint's and change what its state means")
+    if r.cfg.max_steps < step:
+        raise RunError(f"--resume: max_steps ({r.cfg.max_steps}) is below the checkpoint's step ({step})")
+    if state["world"] != r.world:
+        raise RunError(f"checkpoint {ck.name} was written by {state['world']} processes; resume it with as many")
     try:
         r.optimizer.load_state_dict(state["optimizer"] if r.sharded or r.rank == 0 else read_state(ck, 0)["optimizer"])
         for p, s in r.optimizer.state.items():  # FSDP: back to DTensor shards
             for n, v in s.items():
                 if isinstance(p, DTensor) and v.dim() > 0 and not isinstance(v, DTensor):
-                    s[n] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                    s[n] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                              stride=p.stride())
         r.replay.load_state_dict(state["replay"])
     except (ValueError, KeyError, RuntimeError, TypeError) as e:
-        raise RunError(f"checkpoint {ck.name} does not fit this run ({' '.join(str(e).split())[:200]})") from None
+        raise RunError(f"checkpoint {ck.name} does not fit this run ({oneline(e, 200)})") from None
     set_rng_state(state["rng"])
     r.progress |= {k: v for k, v in state["run"].items() if k != "config"}
     if r.rank == 0:
         print(f"resuming from {ck} (step {step})" + f"; changed: {', '.join(changed)}" * bool(changed), file=sys.stderr)
 
 
-# ------------------------------------------------------------------------------------------------ small helpers
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Learning rate of generation step `step` (0-based): linear warm-up, then constant or cosine decay."""
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
-    cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return o.lr * (cosine if o.schedule == "cosine" else 1.0)
-
-
 def rng_state() -> dict:
     """Every global RNG as tuples, lists and tensors: the checkpoint then loads with torch.load(weights_only=True)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    s = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss], "torch": torch.get_rng_state()}
+    s = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+         "torch": torch.get_rng_state()}
     return s | ({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
 
 
@@ -298,10 +262,10 @@ class StopSignal:
         self.signum = signum
 
     def agreed(self) -> int:  # every rank stops at the same point
-        return int(all_ranks(self.signum, dist.ReduceOp.MAX if dist.is_initialized() else None))
+        return int(all_ranks(self.signum, MAX))
 
 
-# ------------------------------------------------------------------------------------------------------ set-up
+# -------------------------------------------------------------------------------------------------------- set-up
 
 
 @dataclass
@@ -320,7 +284,7 @@ class Run:
     compute: object  # bf16 autocast context, or a null context
     optimizer: torch.optim.Optimizer
     replay: object
-    prompts: list  # token ids of each training prompt
+    prompts: list  # token ids of each training prompt, its gold answer; the same for the held-out ones
     golds: list
     eval_prompts: list
     eval_golds: list
@@ -329,7 +293,7 @@ class Run:
     progress: dict = field(default_factory=lambda: {  # saved in checkpoints: with the states, all a resume needs
         "step": 0, "data_pos": 0, "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0, "wall": 0.0,
         "skipped": {"nonfinite": 0, "zero_adv": 0}, "wandb_id": None, "eval_initial": {}, "eval_last": {}})
-    log: object = None  # metrics.jsonl open for appending, the out_dir lock, the wandb run: rank 0's
+    log: object = None  # rank 0's: metrics.jsonl open for appending, the out_dir lock, the wandb run
     lock: object = None
     wandb: object = None
 
@@ -340,9 +304,9 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(hours=2))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    out, n_prompts = Path(cfg.out_dir), cfg.rollout.batch_size // cfg.rollout.group_size
+    out = Path(cfg.out_dir)
     check_out_dir(out, resume, overwrite)
-    if n_prompts % world:
+    if (n_prompts := cfg.rollout.batch_size // cfg.rollout.group_size) % world:
         raise RunError(f"prompts per step ({n_prompts}) must be divisible by the number of processes ({world})")
     ck, state = find_checkpoint(out, resume, rank) if resume is not None else (None, {})
     torch.set_num_threads(cfg.threads) if cfg.threads else None
@@ -350,40 +314,41 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     try:  # data before the model: a bad file fails fast
         problems, eval_problems = load_task(cfg.data, cfg.eval.n)
     except (ValueError, TypeError, OSError, ImportError) as e:
-        raise RunError(f"data: {' '.join(str(e).split())[:300]}") from None
+        raise RunError(f"data: {oneline(e)}") from None
     path = str(ck) if ck else cfg.model.path
-    if not Path(path).exists() and (path.count("/") != 1 or path.startswith((".", "/", "~")) or Path(path).parent.is_dir()):
+    hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path).parent.is_dir()
+    if not Path(path).exists() and not hub_id:
         raise RunError(f"model.path {path} does not exist (a local folder or an org/name hub id)")
-    device = torch.device(cfg.model.device if cfg.model.device != "auto" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-                          if torch.cuda.is_available() else "cpu")
+    local_gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(cfg.model.device if cfg.model.device != "auto" else local_gpu)
     try:
         model, policy, tokenizer, ref, compute = load_policy(cfg, path, device, world)
-    except Exception as e:  # noqa: BLE001 -- a missing, corrupt or foreign model folder is one line
-        raise RunError(f"{'checkpoint' if ck else 'model.path'} {path}: {type(e).__name__}: {' '.join(str(e).split())[:300]}") \
-            from None
-    try:
         stop = end_ids(tokenizer, model, cfg.data.chat_template, cfg.rollout.stop_tokens)
     except ValueError as e:
         raise RunError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 -- a missing, corrupt or foreign model folder is one line
+        raise RunError(f"{'checkpoint' if ck else 'model.path'} {path}: {type(e).__name__}: {oneline(e)}") from None
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     limit = cfg.data.max_prompt_tokens or context - cfg.rollout.max_new_tokens
-    (prompts, problems, n_drop), (eval_prompts, eval_problems, n_eval_drop) = (
+    (prompts, problems, dropped), (eval_prompts, eval_problems, eval_dropped) = (
         build_prompts(tokenizer, ps, cfg.data, limit) for ps in (problems, eval_problems))
-    if not prompts or not eval_prompts or limit <= 0:
-        raise RunError(f"every {'eval' if prompts else 'training'} prompt is over {limit} tokens (data.max_prompt_tokens,"
-                       f" rollout.max_new_tokens and the model's {context} positions set the limit)")
-    print(f"note: dropped {n_drop} training and {n_eval_drop} eval prompts over {limit} tokens", file=sys.stderr) \
-        if rank == 0 and n_drop + n_eval_drop else None
+    if not prompts or not eval_prompts:
+        what = "eval" if prompts else "training"
+        raise RunError(f"every {what} prompt is over {limit} tokens (data.max_prompt_tokens, rollout.max_new_tokens "
+                       f"and the model's {context} positions set the limit)")
+    if rank == 0 and dropped + eval_dropped:
+        print(f"note: dropped {dropped} training and {eval_dropped} eval prompts over {limit} tokens", file=sys.stderr)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   weight_decay=cfg.optim.weight_decay)
-    replay = make_replay(cfg.replay, max(map(len, prompts)) + cfg.rollout.max_new_tokens, tokenizer.pad_token_id, cfg.seed + rank)
+    max_len = max(map(len, prompts)) + cfg.rollout.max_new_tokens
+    replay = make_replay(cfg.replay, max_len, tokenizer.pad_token_id, cfg.seed + rank)
     r = Run(cfg, out, rank, world, device, model, policy, tokenizer, ref, compute, optimizer, replay, prompts,
             [p.answer for p in problems], eval_prompts, [p.answer for p in eval_problems], stop,
-            sharded=any(isinstance(m, FSDPModule) for m in model.modules()))
+            sharded=any(isinstance(p, DTensor) for p in model.parameters()))
     try:
         r.progress["source_tokens"] = replay.start(problems, prompts, tokenizer, cfg, lambda rows: row_entropy(r, rows))
     except (ValueError, OSError) as e:
-        raise RunError(f"replay: {' '.join(str(e).split())[:300]}") from None
+        raise RunError(f"replay: {oneline(e)}") from None
     restore(r, ck, state) if ck else None
     if rank == 0:
         r.lock = claim_out_dir(out, overwrite)
@@ -408,24 +373,25 @@ def open_log(r: Run, resumed: bool):
     if r.cfg.wandb.mode != "disabled":
         import wandb
 
-        w, strategy = r.cfg.wandb, r.cfg.replay.strategy
+        w, strategy, run_id = r.cfg.wandb, r.cfg.replay.strategy, r.progress["wandb_id"]
         r.wandb = wandb.init(project=w.project, group=w.group or None, name=w.name or f"{strategy}-s{r.cfg.seed}",
-                             tags=[strategy], config=flat_dict(r.cfg), dir=str(r.out), mode=w.mode,
-                             id=r.progress["wandb_id"], resume="allow" if r.progress["wandb_id"] else None)
+                             tags=[strategy], config=flat_dict(r.cfg), dir=str(r.out), mode=w.mode, id=run_id,
+                             resume="allow" if run_id else None)
         r.progress["wandb_id"] = r.wandb.id
-    return open(path, "a")  # noqa: SIM115 -- closed by train()
+    return open(path, "a")
 
 
 def row_entropy(r: Run, rows: Rollouts) -> torch.Tensor:
     """(B,) the current policy's mean token entropy of each row (no gradient); every rank must call it together."""
-    rows = rows if len(rows) else pack([([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
+    n, blank = len(rows), pack([([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
+    rows = rows if n else blank
     _, ent = grpo.no_grad_logprobs(r.model, rows, r.cfg, r.compute, r.device, with_entropy=True)
-    return ent.sum(1) / rows.completion_len.clamp(min=1)
+    return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]  # (no rows: a stand-in ran, its value is dropped)
 
 
 def run_eval(r: Run) -> dict:
-    """Held-out eval: each rank samples its share of the prompts from its own fixed seed (how often we evaluate
-    never changes training randomness); every rank gets the summary over all of them."""
+    """Held-out eval: each rank samples its share of the prompts from its own fixed seed (how often we evaluate never
+    changes training randomness); every rank gets the summary over all of them."""
     e = r.cfg.eval
     sampling = replace(r.cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p, top_k=0,
                        max_new_tokens=e.max_new_tokens or r.cfg.rollout.max_new_tokens)
@@ -440,7 +406,7 @@ def run_eval(r: Run) -> dict:
     return summarize(records)
 
 
-# -------------------------------------------------------------------------------------------------- the loop
+# ------------------------------------------------------------------------------------------------------ the loop
 
 
 def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
@@ -453,8 +419,9 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
             restore_overwritten(r.out)
         if isinstance(e, FloatingPointError):
             last = checkpoints(r.out)
-            raise RunError(f"{e} at step {r.progress['step'] + 1} (optim.lr too high?); the last good checkpoint is "
-                           + (f"{last[-1].name}: --resume={last[-1].name} with a lower lr" if last else "none")) from None
+            good = f"{last[-1].name}: --resume={last[-1].name} with a lower lr" if last else "none"
+            step = r.progress["step"] + 1
+            raise RunError(f"{e} at step {step} (optim.lr too high?); the last good checkpoint is {good}") from None
         raise
     finally:
         [f.close() for f in (r.log, r.lock) if f is not None]
@@ -467,10 +434,10 @@ def loop(r: Run) -> int:
     if p["step"] == 0:
         p["eval_initial"] = p["eval_last"] = run_eval(r)
     t_run = time.time() - p["wall"]
-    for step in (bar := tqdm(range(p["step"], cfg.max_steps), initial=p["step"], total=cfg.max_steps, disable=r.rank > 0)):
+    bar = tqdm(range(p["step"], cfg.max_steps), initial=p["step"], total=cfg.max_steps, disable=r.rank > 0)
+    for step in bar:
         t, at_start = {}, (rng_state(), p["data_pos"])
-        # 1-2. Rollout and reward: G samples of this rank's prompts, verified (in rounds under dynamic sampling).
-        fresh, rounds, generated = rollout(r, step, t)
+        fresh, rounds, generated = rollout(r, step, t)  # 1-2. rollout and reward
         if signals.agreed():  # stop before anything of this step is kept: a checkpoint now is this step's start
             set_rng_state(at_start[0])
             p["data_pos"] = at_start[1]
@@ -483,7 +450,7 @@ def loop(r: Run) -> int:
         with timed(t, "replay_sample"):  # 4. Replay: the update batch, fresh rows and stored ones
             batch = r.replay.sample(fresh, step)
         for group in r.optimizer.param_groups:  # the schedule counts generation steps, whatever optim.minibatches is
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = grpo.lr_at(step, cfg)
         # 5. Update: optim.minibatches optimizer steps, each over micro-batches.
         update, entropy, skipped, times = grpo.update_policy(cfg, r.model, r.policy, r.optimizer, batch, r.device,
                                                              r.compute, r.ref)
@@ -509,10 +476,10 @@ def loop(r: Run) -> int:
 
 
 def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
-    """This step's fresh rows, rewarded, their metrics and the tokens generated (every rank's). With
-    rollout.dynamic_sampling = N > 0 (DAPO's dynamic sampling), generate in up to N rounds of new prompts, keeping only
-    groups with a reward spread, until every rank holds its share of batch_size / G of them (fewer if the cap is hit:
-    dynamic/capped); every generated token counts, and the metrics say how many rounds ran and groups were dropped."""
+    """This step's fresh rows, rewarded, with their metrics and the tokens generated (every rank's). Under
+    rollout.dynamic_sampling = N > 0 (DAPO's dynamic sampling), up to N rounds of new prompts run until every rank holds
+    its share of batch_size / G groups with a reward spread; a capped step fills up with flat groups. Every generated
+    token counts; the metrics say how many rounds ran, how many groups were dropped and whether the cap was hit."""
     cfg, p, G, R = r.cfg, r.progress, r.cfg.rollout.group_size, max(1, r.cfg.rollout.dynamic_sampling)
     n, kept, spare, generated = cfg.rollout.batch_size // G, [], [], 0
     for rnd in range(R):
@@ -521,29 +488,30 @@ def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
             idx, counts = r.replay.plan(idx, G, step) if rnd == 0 else (idx, [G] * len(idx))
             p["data_pos"] += n
             with full_weights(r.model, r.compute):
-                fresh, texts = generate(r.model, r.tokenizer, [r.prompts[i] for i in idx], cfg.rollout, r.stop, idx, step,
-                                        counts, group0=(step * R + rnd) * n)
+                fresh, texts = generate(r.model, r.tokenizer, [r.prompts[i] for i in idx], cfg.rollout, r.stop, idx,
+                                        step, counts, group0=(step * R + rnd) * n)
             generated += int(all_ranks(float(fresh.completion_len.sum())))
         with timed(t, "reward"):
             rewards, correct, metrics = score_batch(texts, [r.golds[i] for i in fresh.prompt_idx.tolist()], cfg.reward)
-            fresh.reward = torch.tensor(rewards) + overlong_penalty(fresh.completion_len, cfg.rollout.max_new_tokens, cfg.reward)
+            penalty = overlong_penalty(fresh.completion_len, cfg.rollout.max_new_tokens, cfg.reward)
+            fresh.reward = torch.tensor(rewards) + penalty
             fresh.correct = torch.tensor(correct)
         if not cfg.rollout.dynamic_sampling:
             return fresh, metrics, generated
         flat = grpo.flat_groups(fresh.reward, fresh.group)
         kept, spare = kept + [fresh.select(~flat)], spare + [fresh.select(flat)]
-        if all_ranks(float(sum(len(set(k.group.tolist())) for k in kept) >= n // r.world), dist.ReduceOp.MIN
-                     if dist.is_initialized() else None):
+        if all_ranks(float(sum(len(set(k.group.tolist())) for k in kept) >= n // r.world), dist.ReduceOp.MIN):
             break
-    fresh = Rollouts.cat(kept + spare, r.tokenizer.pad_token_id)  # informative groups first; flat ones fill a capped step
-    use = list(dict.fromkeys(fresh.group.tolist()))[: n // r.world]
-    capped = bool(grpo.flat_groups(fresh.reward, fresh.group)[torch.isin(fresh.group, torch.tensor(use))].any())
-    return fresh.select(torch.isin(fresh.group, torch.tensor(use))), metrics | {
-        "dynamic/rounds": rnd + 1.0, "dynamic/capped": float(capped),
-        "dynamic/groups_dropped": float(len(set(fresh.group.tolist())) - len(use))}, generated
+    fresh = Rollouts.cat(kept + spare, r.tokenizer.pad_token_id)  # informative groups first
+    use = torch.tensor(list(dict.fromkeys(fresh.group.tolist()))[: n // r.world])
+    capped = bool(grpo.flat_groups(fresh.reward, fresh.group)[torch.isin(fresh.group, use)].any())
+    metrics |= {"dynamic/rounds": rnd + 1.0, "dynamic/capped": float(capped),
+                "dynamic/groups_dropped": float(fresh.group.unique().numel() - len(use))}
+    return fresh.select(torch.isin(fresh.group, use)), metrics, generated
 
 
-def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, skipped: list, local: dict, t: dict) -> dict:
+def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, skipped: list, local: dict,
+            t: dict) -> dict:
     """One metrics line: fresh-row statistics over every rank, the update's metrics, this rank's own metrics
     (advantages, verifier, replay buffer, dynamic sampling) averaged over ranks, and phase times."""
     p, n = r.progress, fresh.completion_len.double()
@@ -551,17 +519,18 @@ def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, s
                                fresh.truncated.sum(), (fresh.entropy.double() * n).sum(), batch.replayed.sum(),
                                batch.completion_len[batch.replayed].sum(), batch.completion_len.sum()]).double())
     keys = sorted(local)
-    local = dict(zip(keys, (all_ranks(torch.tensor([float(local[k]) for k in keys])) / r.world).tolist())) if keys else {}
+    local = dict(zip(keys, (all_ranks(torch.tensor([float(local[k]) for k in keys])) / r.world).tolist()))
     p["trained_tokens"] += int(update["tokens"])
     for reason in filter(None, skipped):
         p["skipped"][reason] += 1
     return {"step": step + 1, "generated_tokens": p["generated_tokens"], "tokens/trained": p["trained_tokens"],
             "tokens/generated_total": p["generated_tokens"] + p["source_tokens"], "reward_mean": (s[2] / s[1]).item(),
-            "correct_mean": (s[3] / s[1]).item(), "response_len": (s[0] / s[1]).item(), "truncated_frac": (s[4] / s[1]).item(),
-            "entropy/fresh": (s[5] / s[0].clamp(min=1)).item(), "replay/rows": int(s[6]),
-            "replay/token_share": (s[7] / s[8].clamp(min=1)).item(), **{k: v for k, v in update.items() if k != "tokens"},
-            **local, **{f"skipped/{k}": v for k, v in p["skipped"].items()}, "lr": r.optimizer.param_groups[0]["lr"],
-            **{f"time/{k}": v for k, v in t.items()}, "time/step": sum(t.values())}
+            "correct_mean": (s[3] / s[1]).item(), "response_len": (s[0] / s[1]).item(),
+            "truncated_frac": (s[4] / s[1]).item(), "entropy/fresh": (s[5] / s[0].clamp(min=1)).item(),
+            "replay/rows": int(s[6]), "replay/token_share": (s[7] / s[8].clamp(min=1)).item(),
+            **{k: v for k, v in update.items() if k != "tokens"}, **local, "lr": r.optimizer.param_groups[0]["lr"],
+            **{f"skipped/{k}": v for k, v in p["skipped"].items()}, **{f"time/{k}": v for k, v in t.items()},
+            "time/step": sum(t.values())}
 
 
 def write_row(r: Run, row: dict) -> None:
@@ -569,21 +538,21 @@ def write_row(r: Run, row: dict) -> None:
         try:
             r.log.write(json.dumps(row) + "\n"), r.log.flush()
         except OSError as e:
-            raise RunError(f"{r.out / 'metrics.jsonl'} could not be written ({e.strerror}); checkpoints are intact") from None
+            raise RunError(f"{r.out / 'metrics.jsonl'} could not be written ({e.strerror}); checkpoints are intact") \
+                from None
         r.wandb.log(row, step=row["step"]) if r.wandb else None
 
 
 def finish(r: Run, signum: int) -> int:
     """After the loop: on SIGTERM a checkpoint, on SIGINT a note where to resume; otherwise final/ and summary.json."""
-    p = r.progress
-    if signum == signal.SIGTERM and not (checkpoints(r.out) and checkpoints(r.out)[-1].name == f"step_{p['step']:06d}"):
+    p, last = r.progress, checkpoints(r.out)
+    if signum == signal.SIGTERM and not (last and last[-1].name == f"step_{p['step']:06d}"):
         save_checkpoint(r)
     if signum:
-        last = checkpoints(r.out)
-        where = f"--resume continues from {last[-1].name}" if last else "no checkpoint yet: start over with --overwrite"
+        where = f"--resume continues from {checkpoints(r.out)[-1].name}" if checkpoints(r.out) else "no checkpoint yet"
         print(f"\nstopped by {signal.Signals(signum).name} after step {p['step']}; {where}", file=sys.stderr)
         return 128 + signum
-    save_model(r.model, r.tokenizer, r.out / "final")
+    save(r.model, r.tokenizer, r.out / "final")
     if r.rank == 0:
         ev0, ev1 = p["eval_initial"], p["eval_last"]
         summary = {"strategy": r.cfg.replay.strategy, "seed": r.cfg.seed, "steps": r.cfg.max_steps,

@@ -44,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not a.allow_cpu:
         print("gpu_check: no GPU is visible (torch.cuda.is_available() is False); run it on the GPU machine")
         return 2
+    from memory_plan import SHAPES, estimate
+
     import grpo
     from config import load_config
-    from memory_plan import SHAPES, estimate
     from rollout import end_ids, full_weights, generate, load_policy, prompt_ids
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

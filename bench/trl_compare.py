@@ -21,7 +21,6 @@ Round r uses seed + r on both sides.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent

@@ -255,7 +255,7 @@ FULL_DISK = {"SafetensorError": SafetensorError("Error while serializing: IoErro
 def test_full_disk_during_a_checkpoint_is_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch, tiny, writer, error):
     model, tok = tiny
     ck = tmp_path / "checkpoints"
-    train.save_model(model, tok, ck / "step_000002", {"step": 2})
+    train.save(model, tok, ck / "step_000002", {"step": 2})
 
     def full_disk(*args, **kwargs):
         raise FULL_DISK[error]
@@ -263,7 +263,7 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_leaves_nothing_behind(tmp
     target = ("transformers.modeling_utils.safe_save_file" if writer == "weights" else "torch.save")
     monkeypatch.setattr(target, full_disk)
     with pytest.raises(train.RunError) as e:
-        train.save_model(model, tok, ck / "step_000004", {"step": 4})
+        train.save(model, tok, ck / "step_000004", {"step": 4})
     msg = str(e.value)
     assert "\n" not in msg and f"{ck / 'step_000004'} could not be written ({error}" in msg
     assert f"{ck / 'step_000002'} is intact" in msg
@@ -290,7 +290,7 @@ def test_checkpoint_files_are_fsynced_before_the_rename(tmp_path, monkeypatch, t
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
     monkeypatch.setattr(os, "replace", lambda a, b: renamed.append((str(a), len(synced))) or real_replace(a, b))
-    train.save_model(model, tok, tmp_path / "step_000001", {"step": 1})
+    train.save(model, tok, tmp_path / "step_000001", {"step": 1})
     (src, n_synced_before), = [x for x in renamed if x[0].endswith(".tmp_step_000001")]
     files = {p.name for p in (tmp_path / "step_000001").iterdir()}
     assert {"model.safetensors", "state_rank0.pt", "config.json"} <= files

@@ -21,7 +21,7 @@ from rewards import RewardConfig, overlong_penalty, score_batch
 from rollout import RolloutConfig, end_ids, end_of_turn, generate, load_model, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).parent))
-import fixtures  # noqa: E402
+import fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"
