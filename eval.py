@@ -134,7 +134,8 @@ def results_table(results: dict[str, dict], k: int) -> str:
 
 
 def load_run(path: str | Path) -> dict:
-    """A finished (or unfinished) run folder: its strategy, seed, eval curve and summary."""
+    """A finished (or unfinished) run folder: its strategy (`dynamic` for none with rollout.dynamic_sampling), seed,
+    eval curve and summary."""
     path = Path(path)
     if not (path / "metrics.jsonl").is_file() and not (path / "summary.json").is_file():
         raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
@@ -144,8 +145,11 @@ def load_run(path: str | Path) -> dict:
     strategy = summary.get("strategy") or (config.get("replay") or {}).get("strategy")
     if strategy is None:
         raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
+    if (config.get("rollout") or {}).get("dynamic_sampling"):  # regenerating is its own arm, never the baseline
+        strategy = "dynamic" if strategy == "none" else f"{strategy}+dynamic"
     acc0 = summary.get("eval_accuracy_initial")
-    start = [(0, 0.0, acc0, 0.0)] if acc0 is not None else []
+    spent = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0) if rows else 0  # phase I
+    start = [(0, spent, acc0, 0.0)] if acc0 is not None else []
     curve = start + [(r["step"], r.get("tokens/generated_total", r["generated_tokens"]), r["eval/accuracy"],
                       r.get("eval/accuracy_se", 0.0)) for r in rows if r.get("eval/accuracy") is not None]
     last = rows[-1] if rows else {}
@@ -245,9 +249,9 @@ def compare_table(summary: list[dict], target: float, baseline: str = "none") ->
     def ci(a, b, scale=1.0, fmt=".2f"):
         return "–".join("∞" if math.isinf(x) else f"{scale * x:{fmt}}" for x in (a, b))
 
-    lines = [f"| strategy | seeds | final acc % (95% CI) | p vs {baseline} | tokens to {100 * target:.1f}% ÷ "
-             f"{baseline}'s: median (95% CI) [per seed] | reached | AES vs {baseline} (95% CI) | eval entropy | "
-             "tokens generated |",
+    lines = [(f"| strategy | seeds | final acc % (95% CI) | p vs {baseline} | tokens to {100 * target:.1f}% ÷ "
+              f"{baseline}'s: median (95% CI) [per seed] | reached | AES vs {baseline} (95% CI) | eval entropy | "
+              "tokens generated |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         ratio = "never reached" if math.isinf(s["ratio_median"]) else f"{s['ratio_median']:.2f}"

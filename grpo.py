@@ -306,7 +306,7 @@ def lr_at(step: int, cfg) -> float:
     return o.lr * (cosine if o.schedule == "cosine" else 1.0)
 
 
-def update_policy(cfg, model, policy, optimizer, batch, device, compute=nullcontext(), ref=None) -> tuple:
+def update_policy(cfg, model, policy, optimizer, batch, device, compute=None, ref=None) -> tuple:
     """`cfg.optim.minibatches` optimizer steps on `batch` (this rank's rows; cfg is config.Config), each accumulating
     micro-batches of optim.micro_batch_size rows. `model` is the HF module (no-grad passes, clipping, the weight
     check), `policy` what the training forward goes through (the model, compiled, or DDP-wrapped).
@@ -320,6 +320,7 @@ def update_policy(cfg, model, policy, optimizer, batch, device, compute=nullcont
     optimizer step leaves non-finite weights.
     """
     times, world = {}, dist.get_world_size() if dist.is_initialized() else 1
+    compute = compute or nullcontext()  # the bf16 autocast, or nothing
     trained = ~batch.truncated if cfg.rollout.mask_truncated else torch.ones(len(batch), dtype=torch.bool)
     with timed(times, "prox_logprobs"):  # π at the start of the step, for the later mini-batches
         prox = no_grad_logprobs(model, batch, cfg, compute, device)[0] if cfg.optim.minibatches > 1 else None

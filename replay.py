@@ -447,7 +447,7 @@ class GroupReplay(Replay):
 
     def sample(self, fresh, step):
         self._evict(step - self.rows.born > self.cfg.tau_max, "age")
-        ids, inv, std = groups_of(fresh)
+        ids, _, std = groups_of(fresh)
         stored = self._stored()
         groups, first = torch.unique(self.rows.group[stored], return_inverse=True)
         priority = torch.zeros(len(groups)).scatter_(0, first, self.score[stored])

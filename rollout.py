@@ -189,7 +189,9 @@ def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> Non
         if rank == 0:
             model.save_pretrained(tmp, state_dict=weights), tokenizer.save_pretrained(tmp)
         torch.save(state, tmp / f"state_rank{rank}.pt") if state is not None else None
-        [fsync(f) for f in tmp.iterdir()]
+        own = [tmp / f"state_rank{rank}.pt"] if state is not None else []  # each rank syncs its own files: the
+        own += [f for f in tmp.iterdir() if not f.name.startswith("state_rank")] if rank == 0 else []  # others
+        [fsync(f) for f in own]  # may still be writing theirs (and HF's temporary files come and go)
     except Exception as e:  # noqa: BLE001 -- reported below, on every rank
         error = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
     failed = torch.tensor(float(bool(error)))

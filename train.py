@@ -217,6 +217,8 @@ def restore(r: Run, ck: Path, state: dict) -> None:
         raise RunError(f"--resume: max_steps ({r.cfg.max_steps}) is below the checkpoint's step ({step})")
     if state["world"] != r.world:
         raise RunError(f"checkpoint {ck.name} was written by {state['world']} processes; resume it with as many")
+    if all_ranks(step, MAX) != all_ranks(step, dist.ReduceOp.MIN):  # ranks that disagree would deadlock later
+        raise RunError(f"checkpoint {ck.name}: its per-rank state files are of different steps")
     try:
         r.optimizer.load_state_dict(state["optimizer"] if r.sharded or r.rank == 0 else read_state(ck, 0)["optimizer"])
         for p, s in r.optimizer.state.items():  # FSDP: back to DTensor shards

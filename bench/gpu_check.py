@@ -77,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         gap = max(gap, (lp - ro.behav_logp)[ro.completion_mask()].abs().max().item())
         params, live = list(model.parameters()), {}
         before = [p.detach().clone() for p in params] if step == 0 else None
-        hook = optimizer.register_step_pre_hook(  # which weights received a gradient in this step
-            lambda *_: live.update({i: p.grad != 0 for i, p in enumerate(params) if p.grad is not None}))
+        def record(*_, params=params, live=live):  # which weights received a gradient in this step
+            live.update({i: p.grad != 0 for i, p in enumerate(params) if p.grad is not None})
+
+        hook = optimizer.register_step_pre_hook(record)
         sync(device)
         t0 = time.time()
         grpo.update_policy(cfg, model, policy, optimizer, ro, device, compute)

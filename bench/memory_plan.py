@@ -94,8 +94,8 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
 def paper_table(budget_gb: float = 80) -> str:
     from config import load_config
 
-    rows = ["| config | model (params) | GPUs | parallel | weights | grads | AdamW | activations | logits | "
-            "no-grad pass | generation | peak per GPU | fits 80 GB |",
+    rows = [("| config | model (params) | GPUs | parallel | weights | grads | AdamW | activations | logits | "
+             "no-grad pass | generation | peak per GPU | fits 80 GB |"),
             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for path in sorted((Path(__file__).resolve().parents[1] / "configs" / "papers").glob("*.yaml")):
         if path.name == "gpu_base.yaml":

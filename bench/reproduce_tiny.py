@@ -1,15 +1,21 @@
-"""Reproduce the replay claims at tiny scale: every strategy × 3 seeds on the embedded task, then the comparison.
+"""Reproduce the replay claims at tiny scale: every config of a folder × 5 seeds on the embedded task, then the
+comparison table (eval.py --compare) and its plot.
 
 Usage:
-  python bench/reproduce_tiny.py                         # runs/repro/<strategy>-s<seed>, then eval.py --compare
-  python bench/reproduce_tiny.py --seeds 0 1 2 --jobs 2 --out runs/repro --strategies none aper
-  python bench/reproduce_tiny.py --configs configs/tiny_half --strategies none uniform aper --out runs/repro_half
+  python bench/reproduce_tiny.py                                      # configs/tiny/* -> runs/repro
+  python bench/reproduce_tiny.py --configs configs/tiny_half --out runs/repro_half
+  python bench/reproduce_tiny.py --names none aper --seeds 0 1 --jobs 2
 
-Order: the `none` runs go first; RLEP's phase I then samples 8 answers per training problem from the final
-model of `none` seed 0 and keeps the verified-correct ones (as RLEP collects them from a finished run); then the
-other strategies. Every run uses <configs>/<strategy>.yaml (default configs/tiny/, which differ only in
-`replay.*`: same fresh rollouts per step, same steps, so the same generation budget). Runs already finished
-(summary.json present) are kept, so an interrupted reproduction can simply be started again.
+Every `<configs>/<name>.yaml` but common.yaml is one arm (configs/tiny/: one per replay strategy in
+replay.STRATEGIES, plus dynamic.yaml, DAPO's dynamic sampling). The arms share their fresh rollouts per step and
+their steps, so the same generation budget; dynamic sampling's extra rounds and RLEP's phase I are generated
+tokens too and are counted in `tokens/generated_total`.
+
+Order: the `none` runs go first; RLEP's phase I then samples 8 answers per training problem from the final model
+of `none` (first seed) and keeps the verified-correct ones with their token ids and behaviour log-probs (as RLEP
+collects them from a finished run; eval.py --save-correct, whose .meta.json gives the tokens phase I generated);
+then the other arms. A run already finished (summary.json present) is kept, so an interrupted reproduction can
+simply be started again; an unfinished one is started over (--overwrite).
 """
 
 from __future__ import annotations
@@ -22,57 +28,78 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STRATEGIES = ["none", "uniform", "aper", "rlep", "exgrpo"]
+sys.path.insert(0, str(REPO))
+from replay import STRATEGIES
 
 
-def train(configs: str, strategy: str, seed: int, out: Path, extra: list[str]) -> Path:
-    run = out / f"{strategy}-s{seed}"
+def arms(folder: Path) -> list[str]:
+    """The configs in `folder`: none first, then the strategies in registry order, then anything else."""
+    names = [p.stem for p in folder.glob("*.yaml") if p.stem != "common"]
+    rank = {s: i for i, s in enumerate(["none", "dynamic", *STRATEGIES])}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def train(configs: Path, name: str, seed: int, out: Path, extra: list[str]) -> Path:
+    run = out / f"{name}-s{seed}"
     if (run / "summary.json").exists():
         print(f"[skip] {run} is finished", flush=True)
         return run
-    cmd = [sys.executable, "train.py", "--config", f"{configs}/{strategy}.yaml", f"--out_dir={run}", f"--seed={seed}",
-           "--overwrite", f"--wandb.name={strategy}-s{seed}", *extra]
+    cmd = [sys.executable, "train.py", "--config", str(configs / f"{name}.yaml"), f"--out_dir={run}", f"--seed={seed}",
+           "--overwrite", f"--wandb.name={configs.name}-{name}-s{seed}", *extra]
     t0 = time.time()
-    with open(out / f"{strategy}-s{seed}.log", "w") as log:
+    with open(out / f"{name}-s{seed}.log", "w") as log:
         subprocess.run(cmd, cwd=REPO, check=True, stdout=log, stderr=subprocess.STDOUT)
     print(f"[done] {run} in {time.time() - t0:.0f}s", flush=True)
     return run
 
 
+def rlep_phase_one(out: Path, seed: int) -> Path:
+    """RLEP phase I from the final model of `none` seed `seed`: 8 samples per training problem at the training
+    sampling settings of configs/tiny.yaml; the verified-correct ones are kept."""
+    phase1 = out / "rlep_phase1.jsonl"
+    if not phase1.exists():
+        subprocess.run(
+            [sys.executable, "eval.py", "--model", str(out / f"none-s{seed}" / "final"), "--benchmarks", "tiny_train",
+             "--k", "8", "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", "48", "--template", "{problem}",
+             "--batch-size", "256", "--save-correct", str(phase1), "--out-dir", str(out / "rlep_phase1"), "--overwrite"],
+            cwd=REPO, check=True)
+    return phase1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/repro")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
-    ap.add_argument("--configs", default="configs/tiny", help="folder with one <strategy>.yaml per strategy")
+    ap.add_argument("--configs", default="configs/tiny", help="folder with one <name>.yaml per arm")
+    ap.add_argument("--out", default=None, help="where the runs go (default runs/repro, runs/repro_<folder suffix>)")
+    ap.add_argument("--names", nargs="+", default=None, help="arms to run (default: every config in --configs)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--jobs", type=int, default=2, help="training processes at once (each uses one thread)")
     a, extra = ap.parse_known_args()  # anything else is passed to train.py as an override
-    missing = [s for s in a.strategies if not (REPO / a.configs / f"{s}.yaml").exists()]
-    if missing:
-        sys.exit(f"error: no {', '.join(f'{a.configs}/{s}.yaml' for s in missing)}; pick --strategies that have one")
-    out = (REPO / a.out).resolve()
+    configs = (REPO / a.configs).resolve()
+    available = arms(configs)
+    names = a.names or available
+    if not names or set(names) - set(available):
+        sys.exit(f"error: no {configs}/<name>.yaml for {sorted(set(names) - set(available)) or 'any arm'}; "
+                 f"available: {', '.join(available) or 'none'}")
+    if "none" not in names:
+        sys.exit("error: the comparison needs its baseline: include none")
+    out = (REPO / (a.out or "runs/repro" + configs.name.removeprefix("tiny"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:
-        if "none" in a.strategies:
-            list(pool.map(lambda s: train(a.configs, "none", s, out, extra), a.seeds))
-        rlep_extra = []
-        if "rlep" in a.strategies:
-            phase1 = out / "rlep_phase1.jsonl"
-            if not phase1.exists():
-                base = out / f"none-s{a.seeds[0]}" / "final"
-                subprocess.run(
-                    [sys.executable, "eval.py", "--model", str(base), "--benchmarks", "tiny_train", "--k", "8",
-                     "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", "48", "--template", "{problem}",
-                     "--batch-size", "256", "--save-correct", str(phase1), "--out-dir", str(out / "rlep_phase1")],
-                    cwd=REPO, check=True,
-                )
-            rlep_extra = [f"--replay.rlep_source={phase1}"]
-        jobs = [(s, seed) for s in a.strategies if s != "none" for seed in a.seeds]
-        list(pool.map(lambda j: train(a.configs, j[0], j[1], out, extra + (rlep_extra if j[0] == "rlep" else [])), jobs))
+        list(pool.map(lambda s: train(configs, "none", s, out, extra), a.seeds))
+        rlep = [f"--replay.rlep_source={rlep_phase_one(out, a.seeds[0])}"] if "rlep" in names else []
+        jobs = [(n, s) for n in names if n != "none" for s in a.seeds]
+        list(pool.map(lambda j: train(configs, j[0], j[1], out, extra + (rlep if j[0] == "rlep" else [])), jobs))
     print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
-    runs = [str(out / f"{s}-s{seed}") for s in a.strategies for seed in a.seeds]
+    runs = [str(out / f"{n}-s{s}") for n in names for s in a.seeds]
     subprocess.run([sys.executable, "eval.py", "--compare", *runs, "--out-dir", str(out / "compare")], cwd=REPO, check=True)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed (pip install -r bench/requirements.txt): no plot")
+        return
+    subprocess.run([sys.executable, "bench/plot_compare.py", str(out / "compare" / "compare.json"),
+                    str(out / "compare" / "compare.png")], cwd=REPO, check=True)
 
 
 if __name__ == "__main__":

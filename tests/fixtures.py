@@ -18,6 +18,7 @@ weights are set so that the model deterministically continues a prompt with `emi
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -42,22 +43,22 @@ LLAMA3 = (
 )
 
 KINDS = {
-    "qwen25_instruct": dict(
-        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_end|>", pad="<|endoftext|>", bos=None,
-        template=CHATML_DEFAULT_SYSTEM, end_of_turn="<|im_end|>", arch="qwen2", tokenizer_class="Qwen2Tokenizer",
-        generation=dict(do_sample=True, eos_token_id=["<|im_end|>", "<|endoftext|>"], pad_token_id="<|endoftext|>",
-                        repetition_penalty=1.05, temperature=0.7, top_p=0.8, top_k=20)),
-    "qwen3_base": dict(
-        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|endoftext|>", pad="<|endoftext|>", bos=None,
-        template=CHATML, end_of_turn="<|im_end|>", arch="qwen3", tokenizer_class="Qwen2Tokenizer",
-        generation=dict(eos_token_id="<|endoftext|>", bos_token_id="<|endoftext|>", max_new_tokens=2048)),
-    "llama3_instruct": dict(
-        specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+    "qwen25_instruct": {
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "eos": "<|im_end|>", "pad": "<|endoftext|>", "bos": None,
+        "template": CHATML_DEFAULT_SYSTEM, "end_of_turn": "<|im_end|>", "arch": "qwen2", "tokenizer_class": "Qwen2Tokenizer",
+        "generation": {"do_sample": True, "eos_token_id": ["<|im_end|>", "<|endoftext|>"], "pad_token_id": "<|endoftext|>",
+                        "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}},
+    "qwen3_base": {
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "eos": "<|endoftext|>", "pad": "<|endoftext|>", "bos": None,
+        "template": CHATML, "end_of_turn": "<|im_end|>", "arch": "qwen3", "tokenizer_class": "Qwen2Tokenizer",
+        "generation": {"eos_token_id": "<|endoftext|>", "bos_token_id": "<|endoftext|>", "max_new_tokens": 2048}},
+    "llama3_instruct": {
+        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
                   "<|eot_id|>"],
-        eos="<|eot_id|>", pad=None, bos="<|begin_of_text|>", template=LLAMA3, end_of_turn="<|eot_id|>", arch="llama",
-        tokenizer_class="PreTrainedTokenizerFast",
-        generation=dict(do_sample=True, bos_token_id="<|begin_of_text|>", temperature=0.6, top_p=0.9,
-                        eos_token_id=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"])),
+        "eos": "<|eot_id|>", "pad": None, "bos": "<|begin_of_text|>", "template": LLAMA3, "end_of_turn": "<|eot_id|>", "arch": "llama",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "generation": {"do_sample": True, "bos_token_id": "<|begin_of_text|>", "temperature": 0.6, "top_p": 0.9,
+                        "eos_token_id": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]}},
 }
 
 
@@ -83,10 +84,10 @@ def build(kind: str, folder: Path, emit: str | None = None, seed: int = 0) -> Pa
     """Write a model folder of `kind` (random weights, or the `emit` chain described in the module docstring)."""
     spec, tok = KINDS[kind], build_tokenizer(kind)
     ids = {t: tok.convert_tokens_to_ids(t) for t in spec["specials"]}
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=emit is None,
-                  eos_token_id=ids[spec["eos"]], pad_token_id=ids[spec["pad"]] if spec["pad"] else None,
-                  bos_token_id=ids[spec["bos"]] if spec["bos"] else None)
+    common = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": emit is None,
+                  "eos_token_id": ids[spec["eos"]], "pad_token_id": ids[spec["pad"]] if spec["pad"] else None,
+                  "bos_token_id": ids[spec["bos"]] if spec["bos"] else None}
     config = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[spec["arch"]](**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -123,6 +124,6 @@ def set_chain(model, chain: list[int], margin: float = 60.0) -> None:
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     emb.zero_()
     head.zero_()
-    for d, (cur, nxt) in enumerate(zip(chain, chain[1:])):
+    for d, (cur, nxt) in enumerate(itertools.pairwise(chain)):
         emb[cur, d] = 1.0
         head[nxt, d] = margin / (emb.shape[1] ** 0.5 * model.model.norm.weight[d].item())  # RMSNorm(e_d) = √H·w_d·e_d

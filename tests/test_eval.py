@@ -98,11 +98,12 @@ def test_evaluate_on_scripted_completions(monkeypatch):
 # ---------------------------------------------------------------------------------------------- --compare
 
 
-def write_run(root: Path, strategy: str, seed: int, evals: list[tuple], finished: bool = True) -> Path:
+def write_run(root: Path, strategy: str, seed: int, evals: list[tuple], finished: bool = True, rounds: int = 0) -> Path:
     """A run folder like train.py writes; evals are (generated tokens, eval accuracy, eval response length[, se])."""
-    d = root / f"{strategy}-s{seed}"
+    d = root / f"{strategy}-s{seed}{'-dyn' if rounds else ''}"
     d.mkdir()
-    (d / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "replay": {"strategy": strategy}}))
+    (d / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "replay": {"strategy": strategy},
+                                                   "rollout": {"dynamic_sampling": rounds}}))
     with open(d / "metrics.jsonl", "w") as f:
         for step, (tokens, acc, length, *se) in enumerate(evals):
             rec = {"step": step, "generated_tokens": tokens, "tokens/generated_total": tokens, "eval/accuracy": acc,
@@ -115,6 +116,20 @@ def write_run(root: Path, strategy: str, seed: int, evals: list[tuple], finished
             "tokens_generated_total": tokens, "steps": len(evals), "eval_entropy_final": 0.25, "strategy": strategy,
             "seed": seed}))
     return d
+
+
+def test_phase_one_tokens_come_before_the_first_update(tmp_path):
+    """RLEP's phase-I generation is spent before step 1: the initial eval sits at those tokens, not at 0."""
+    d = write_run(tmp_path, "rlep", 0, [(0, 0.2, 100), (1000, 0.6, 100)])
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["tokens/generated_total"] = r["generated_tokens"] + 5000
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({"strategy": "rlep", "eval_accuracy_initial": 0.2,
+                                                "tokens_generated_total": 6000}))
+    run = ev.load_run(d)
+    assert [c[1] for c in run["curve"]] == [5000, 5000, 6000] and run["tokens"] == 6000
+    assert ev.sustained_crossing(run["curve"], 0.4) == pytest.approx(5500)
 
 
 def test_sustained_crossing_hand_values():
@@ -149,6 +164,7 @@ def test_compare_on_synthetic_runs(tmp_path, capsys):
         write_run(tmp_path, "fifo", 0, [(0, 0.2, 88), (500, 0.55, 88), (1000, 0.6, 88)]),
         write_run(tmp_path, "fifo", 1, [(0, 0.2, 88), (500, 0.6, 88), (1000, 0.5, 88, 0.1)]),  # falls back, within 1 se
         write_run(tmp_path, "aper", 0, [(0, 0.2, 110), (700, 0.6, 110), (900, 0.44, 110)], finished=False),  # no summary
+        write_run(tmp_path, "none", 0, [(0, 0.2, 100), (3000, 0.9, 100)], rounds=4),  # dynamic sampling: not a baseline
     ]
     out = tmp_path / "out"
     ev.main(["--compare", *map(str, runs), "--out-dir", str(out)])
@@ -163,6 +179,8 @@ def test_compare_on_synthetic_runs(tmp_path, capsys):
     assert float(rows["fifo", "0"]["aes"]) == pytest.approx(0.2 + 3 * 0.05 / 0.55)  # ΔL = 22/110, ΔA = 0.05/0.55
     assert float(rows["aper", "0"]["aes"]) == pytest.approx(-5 * (0.55 - 0.44) / 0.55)  # from metrics.jsonl
     summary = {s["strategy"]: s for s in json.loads((out / "compare.json").read_text())["strategies"]}
+    assert summary["dynamic"]["seeds"] == 1 and summary["none"]["seeds"] == 2  # 0.2 → 0.9 crosses 0.55 at 1500
+    assert float(rows["dynamic", "0"]["tokens_ratio"]) == pytest.approx(1500 / 2000)
     assert summary["fifo"]["ratio_median"] == pytest.approx((0.25 + 0.21875) / 2) and summary["fifo"]["reached"] == 2
     assert summary["none"]["reached"] == 1 and summary["fifo"]["p_vs_base"] == pytest.approx(ev.welch_p([0.6, 0.5], [0.5, 0.6]))
     lines = table.splitlines()

@@ -21,6 +21,8 @@ from rewards import RewardConfig, overlong_penalty, score_batch
 from rollout import RolloutConfig, end_ids, end_of_turn, generate, load_model, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).parent))
+import itertools
+
 import fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +56,7 @@ def test_the_models_generation_config_never_leaks_into_sampling(tmp_path):
     print(f"max |behaviour - training log-prob| = {gap:.2e}")
     assert gap <= 1e-4
     comps = [ro.tokens[i, ro.prompt_len[i] : ro.seq_len[i]].tolist() for i in range(len(ro))]
-    assert any(banned in c for c in comps) or any(len(set(zip(c, c[1:]))) < len(c) - 1 for c in comps) \
+    assert any(banned in c for c in comps) or any(len(set(itertools.pairwise(c))) < len(c) - 1 for c in comps) \
         or any(len(c) < 20 and not ro.truncated[i] for i, c in enumerate(comps)), "sampling ignored every setting"
     assert model.generation_config.repetition_penalty == 5.0  # and the model's own config is left as it was
 
@@ -193,10 +195,10 @@ def test_warmup_counts_generation_steps_whatever_the_minibatches(tmp_path):
 def test_cosine_schedule():
     cfg = load_config(None, ["--max_steps=10", "--optim.warmup_steps=2", "--optim.schedule=cosine", "--optim.lr=1.0",
                              "--optim.min_lr_ratio=0.1"])
-    lrs = [train.lr_at(s, cfg) for s in range(10)]
+    lrs = [grpo.lr_at(s, cfg) for s in range(10)]
     assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])  # warm-up, then the cosine from its peak
     assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 7 / 8)).item()))
-    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
 
 
 PAPERS = sorted(p for p in (REPO / "configs" / "papers").glob("*.yaml") if p.name != "gpu_base.yaml")

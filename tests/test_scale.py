@@ -291,10 +291,18 @@ def test_real_model_settings_run_train(model_dir, tmp_path, monkeypatch):
 
 
 def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Two processes under torchrun; on a timeout the launcher and both workers are killed (no orphan survives)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    p = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return p
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout}s: {err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def worker(mode: str, model_dir: str, out: str) -> None:

@@ -45,17 +45,32 @@ def test_readme_command_two_steps(tmp_path):
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "none"])
-def test_every_strategy_runs_and_logs_replay(tmp_path, strategy):
-    out = tmp_path / strategy
-    extra = ["--replay.exgrpo_min_solve=0"] if strategy == "exgrpo" else []
-    run_train(out, f"--replay.strategy={strategy}", "--max_steps=3", "--rollout.batch_size=64", "--eval.every=0",
-              "--wandb.mode=disabled", "--replay.tau_max=1", *SMALL, *extra)
+CONFIGS = sorted(p.stem for p in (REPO / "configs" / "tiny").glob("*.yaml") if p.stem != "common")
+
+
+def test_every_strategy_has_a_tiny_config():
+    assert {s for s, cls in STRATEGIES.items() if cls.__module__ == "replay"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_tiny_config_runs(tmp_path, name):
+    """Each configs/tiny/<name>.yaml (every strategy, and dynamic sampling) through train.py for three steps."""
+    out = tmp_path / name
+    extra = ["--replay.exgrpo_min_solve=0"] if name == "exgrpo" else []
+    cmd = [sys.executable, "train.py", "--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}", "--max_steps=3",
+           "--rollout.batch_size=64", "--eval.every=0", "--wandb.mode=disabled", "--replay.tau_max=1", *SMALL, *extra]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3
+    strategy = json.loads((out / "summary.json").read_text())["strategy"]
+    assert len(rows) == 3 and strategy == ("none" if name == "dynamic" else name)
     for r in rows:
         assert "replay/size" in r and "replay/token_share" in r and "replay/age_max" in r
-    if strategy in ("uniform", "aper"):
+    if name in ("uniform", "aper"):
         assert rows[-1]["replay/rows"] > 0, "rows were replayed by step 3"
-    if strategy == "aper":
+    if name == "aper":
         assert all(r["replay/age_max"] <= 1 for r in rows)
+    if name == "group":
+        assert all("replay/groups_replaced" in r and "replay/flat_groups" in r for r in rows)
+    if name == "dynamic":  # the update holds only informative groups, whatever it cost in rounds
+        assert all(r["dynamic/rounds"] >= 1 and r["adv/zero_std_frac"] == 0 or r["dynamic/capped"] for r in rows)
