@@ -400,7 +400,7 @@ class ExgrpoReplay(Replay):
         self.retired = torch.unique(torch.cat([self.retired, solved]))
         self._evict(torch.isin(self.rows.prompt_idx, solved), "retired")
         if self.latched:
-            v = self.valid
+            v = self.valid & torch.isin(self.rows.prompt_idx, batch.prompt_idx)  # duplicates can only be there
             seen = {(int(p), tuple(t[:n].tolist())) for p, t, n in zip(self.rows.prompt_idx[v], self.rows.tokens[v],
                                                                       self.rows.seq_len[v])}
             keep = []

@@ -154,7 +154,7 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     bf16, fsdp = cfg.model.compute_dtype == "bfloat16", cfg.model.parallel == "fsdp" and world > 1
     model, tokenizer = load_model(path, cfg.model.trust_remote_code, torch.float32)
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # v5.2x name
         model.config.use_cache = False
     ref = load_model(cfg.model.path, cfg.model.trust_remote_code, torch.bfloat16 if bf16 else torch.float32)[0] \
         if cfg.grpo.beta > 0 else None

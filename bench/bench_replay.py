@@ -2,10 +2,10 @@
 
 Usage:
   python bench/bench_replay.py                               # uniform and aper, capacity 100k, 256 rows of ~64 tokens
-  python bench/bench_replay.py --strategies uniform,aper,exgrpo,rlep --steps 500 --threads 1
+  python bench/bench_replay.py --strategies uniform,aper,exgrpo,rlep,group --steps 500 --threads 1
 
-Each step draws from the buffer for a fresh batch of 256 rows (ratio 0.5) and then pushes that batch, exactly the
-calls train.py makes. The buffer is filled to capacity first, so eviction and sampling see the worst case; aper's
+Each step makes the calls train.py makes around a fresh batch of 256 rows (ratio 0.5): plan, before_advantages,
+sample, then push of the update batch with its rows' entropies (exgrpo's current-policy entropy is a stand-in). The buffer is filled to capacity first, so eviction and sampling see the worst case; aper's
 tau_max is set so that no row ages out (with the default tau_max = 4 it would hold only ~1,000 rows).
 One torch thread by default: ops on 100k-element vectors gain little from intra-op threads, and on a shared
 machine a second thread mostly waits for a busy core (that wait shows in wall time, not in CPU time).
@@ -39,6 +39,7 @@ def fresh_batch(step: int, rows: int, group_size: int, length: int, g: torch.Gen
         group=torch.arange(rows // group_size).repeat_interleave(group_size), born=torch.full((rows,), step),
         reward=reward, correct=correct, advantage=adv, entropy=torch.rand(rows, generator=g),
         replayed=torch.zeros(rows, dtype=torch.bool), onpolicy=torch.ones(rows, dtype=torch.bool),
+        slot=torch.full((rows,), -1),
     )  # fmt: skip
 
 
@@ -47,19 +48,21 @@ def bench(strategy: str, args) -> None:
     buf = make_replay(cfg, max_len=args.length, pad_id=0, seed=0)
     g = torch.Generator().manual_seed(0)
     batches = [fresh_batch(0, args.rows, args.group_size, args.length, g) for _ in range(16)]
+    buf.start([], [], None, None, entropy=lambda rows: torch.rand(len(rows), generator=g))
     step = 0
     while len(buf) < args.capacity and step < 4 * args.capacity // args.rows:  # aper skips A = 0 rows: more pushes
         batches[step % 16].born.fill_(step)
-        buf.push(batches[step % 16], step)
+        buf.push(batches[step % 16], step, batches[step % 16].entropy)
         step += 1
     times, cpu = [], []  # wall-clock and process CPU time (ms); CPU time excludes waiting for a busy core
     for _ in range(args.steps):
         fresh = batches[step % 16]
         fresh.born.fill_(step)
         t0, c0 = time.perf_counter(), time.process_time()
+        buf.plan(fresh.prompt_idx[:: args.group_size].tolist(), args.group_size, step)
         mixed = buf.before_advantages(fresh, step)  # rlep grows the groups; the others return fresh as it is
-        buf.sample(mixed, step)
-        buf.push(fresh, step)
+        batch = buf.sample(mixed, step)
+        buf.push(batch, step, torch.rand(len(batch), generator=g))
         times.append(1e3 * (time.perf_counter() - t0))
         cpu.append(1e3 * (time.process_time() - c0))
         step += 1
