@@ -5,6 +5,7 @@ Usage:
   python eval.py --model Qwen/Qwen2.5-Math-1.5B --benchmarks math500,gsm8k,aime24,aime25,amc23 \\
       --data-dir /path/to/benchmarks --k 8 --temperature 0.6 --limit 100 --out-dir eval_results/qwen1.5b
   python eval.py --compare runs/repro/none-s0 runs/repro/none-s1 runs/repro/aper-s0 ... --out-dir runs/repro/compare
+  python eval.py --compare runs/repro/none-s0 ... aper_half=runs/repro_half/aper-s0 ...  # arms named by hand
 
 Metrics, k samples per problem, averaged over problems ("macro" weighs every benchmark equally): avg@k (the
 unbiased estimate of pass@1, with its standard error over problems), pass@k (Chen et al.'s unbiased estimator),
@@ -274,7 +275,8 @@ def fail(msg: str) -> None:
 
 def run_compare(args) -> None:
     try:
-        runs = [load_run(d) for d in args.compare]
+        runs = [load_run(d.partition("=")[2]) | {"strategy": d.partition("=")[0]} if "=" in d.split("/")[0]
+                else load_run(d) for d in args.compare]  # LABEL=RUN_DIR names the arm
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     weights = (args.aes_alpha, args.aes_beta, args.aes_gamma)
@@ -374,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model", help="local checkpoint folder or Hugging Face model id")
-    mode.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="training run folders to compare")
+    mode.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="training run folders to compare; LABEL=RUN_DIR "
+                      "puts a run in arm LABEL (default: its strategy)")
     ap.add_argument("--out-dir", help="where results go (default: <run>/eval/<model>, eval_results/<model>, "
                     "eval_results/compare)")
     g = ap.add_argument_group("evaluating a model")

@@ -188,6 +188,16 @@ def test_compare_on_synthetic_runs(tmp_path, capsys):
     assert any(ln.startswith("| aper | 1 | 44.0 (nan–nan) |  | never reached") for ln in lines)
 
 
+def test_compare_arms_named_by_hand(tmp_path, capsys):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    base = write_run(tmp_path / "a", "none", 0, [(0, 0.2, 100), (1000, 0.5, 100)])
+    half = write_run(tmp_path / "b", "none", 0, [(0, 0.2, 100), (500, 0.6, 100)])
+    ev.main(["--compare", str(base), f"none_half={half}", "--out-dir", str(tmp_path / "out")])
+    summary = {s["strategy"]: s for s in json.loads((tmp_path / "out" / "compare.json").read_text())["strategies"]}
+    assert set(summary) == {"none", "none_half"} and summary["none"]["acc_mean"] == 0.5  # the baseline is run a alone
+    assert summary["none_half"]["ratio_median"] == pytest.approx(0.3 / 0.4 * 500 / 1000)
+
+
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     problems = tmp_path / "p.jsonl"
     problems.write_text(json.dumps({"problem": "1+1", "answer": "2"}))
