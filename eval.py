@@ -17,6 +17,8 @@ entropy (the sampling policy's mean token entropy). A run's model is evaluated i
   tokens to target  generated tokens (phase-I generation included) at which the eval curve, interpolated linearly,
                     first reaches the target (the baseline's mean final accuracy) and then stays at or above the
                     target minus one standard error at every later eval; ÷ the baseline's mean tokens for its run
+  steps to target   the same crossing in steps, ÷ the steps at which the baseline's seed-mean curve crosses it
+                    (RLEP's measure: the baseline's peak, 135 vs 380 steps)
   final accuracy    mean with a 95 % t interval, and Welch's p against the baseline
   AES               O1-Pruner's accuracy-efficiency score against the baseline's means (`aes`)
   entropy           the sampling policy's token entropy at the last eval
@@ -217,6 +219,10 @@ def welch_p(a: list[float], b: list[float]) -> float:
     return 2 * t_sf(abs(statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb), df)
 
 
+def unreached(x: float | None) -> float:
+    return math.inf if x is None else x  # (0 is a crossing at the start, not "never")
+
+
 def compare_runs(runs: list[dict], baseline: str = "none", target: float | None = None, aes_weights=(1.0, 3.0, 5.0)):
     """(per-run rows, per-strategy rows, target): the measures of the module docstring against the `baseline` runs."""
     base = [r for r in runs if r["strategy"] == baseline and r["final"] is not None]
@@ -224,18 +230,29 @@ def compare_runs(runs: list[dict], baseline: str = "none", target: float | None 
     target = A_b if target is None else target
     for r in runs:
         x = sustained_crossing(r["curve"], target) if not math.isnan(target) else None
+        by_step = [(c[0], c[0], *c[2:]) for c in r["curve"]]  # the same rule with steps in place of tokens
+        r["steps_to_target"] = sustained_crossing(by_step, target) if not math.isnan(target) else None
         r |= {"tokens_to_target": x, "tokens_ratio": x / T_b if x is not None and T_b > 0 else None,
               "aes": math.nan if None in (r["length"], r["final"]) else aes(r["length"], r["final"], L_b, A_b,
                                                                              *aes_weights)}
     groups = {}
     for r in runs:
         groups.setdefault(r["strategy"], []).append(r)
+    at = {}  # the baseline's seed-mean curve, at the steps every seed evaluated (its standard error: se / √seeds)
+    for r in base:
+        for step, _, acc, se in r["curve"]:
+            at.setdefault(step, []).append((acc, se))
+    mean = [(k, k, statistics.fmean(a for a, _ in v), statistics.fmean(e for _, e in v) / len(v) ** 0.5)
+            for k, v in sorted(at.items()) if len(v) == len(base)]
+    S_b = unreached(sustained_crossing(mean, target)) if base and not math.isnan(target) else math.nan
     summary = []
     for s, g in sorted(groups.items(), key=lambda kv: (kv[0] != baseline, kv[0])):
-        acc, ratios = [r["final"] for r in g if r["final"] is not None], [r["tokens_ratio"] or math.inf for r in g]
+        acc, ratios = [r["final"] for r in g if r["final"] is not None], [unreached(r["tokens_ratio"]) for r in g]
         aes_v = [r["aes"] for r in g if not math.isnan(r["aes"])]
+        steps = [unreached(r["steps_to_target"]) / S_b if S_b > 0 else math.nan for r in g]  # ÷ the baseline's
         summary.append({"strategy": s, "seeds": len(g), "ratios": ratios, "ratio_median": statistics.median(ratios),
                         "ratio_ci": bootstrap(ratios), "reached": sum(math.isfinite(x) for x in ratios),
+                        "steps_ratio": statistics.median(steps), "steps_ratio_ci": bootstrap(steps),
                         "acc_mean": statistics.fmean(acc), "acc_ci": mean_interval(acc),
                         "p_vs_base": welch_p(acc, [r["final"] for r in base]) if s != baseline else math.nan,
                         "aes_mean": statistics.fmean(aes_v) if aes_v else math.nan,
@@ -251,16 +268,17 @@ def compare_table(summary: list[dict], target: float, baseline: str = "none") ->
         return "–".join("∞" if math.isinf(x) else f"{scale * x:{fmt}}" for x in (a, b))
 
     lines = [(f"| strategy | seeds | final acc % (95% CI) | p vs {baseline} | tokens to {100 * target:.1f}% ÷ "
-              f"{baseline}'s: median (95% CI) [per seed] | reached | AES vs {baseline} (95% CI) | eval entropy | "
-              "tokens generated |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"{baseline}'s: median (95% CI) [per seed] | reached | steps to it ÷ {baseline}'s (95% CI) | "
+              f"AES vs {baseline} (95% CI) | eval entropy | tokens generated |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         ratio = "never reached" if math.isinf(s["ratio_median"]) else f"{s['ratio_median']:.2f}"
         seeds = " / ".join("–" if math.isinf(x) else f"{x:.2f}" for x in s["ratios"])
         p = "" if math.isnan(s["p_vs_base"]) else f"{s['p_vs_base']:.3f}"
         acc = f"{100 * s['acc_mean']:.1f} ({ci(*s['acc_ci'], 100, '.1f')})"
         lines.append(f"| {s['strategy']} | {s['seeds']} | {acc} | {p} | "
-                     f"{ratio} ({ci(*s['ratio_ci'])}) [{seeds}] | {s['reached']}/{s['seeds']} | {s['aes_mean']:.3f} "
+                     f"{ratio} ({ci(*s['ratio_ci'])}) [{seeds}] | {s['reached']}/{s['seeds']} | "
+                     f"{s['steps_ratio']:.2f} ({ci(*s['steps_ratio_ci'])}) | {s['aes_mean']:.3f} "
                      f"({ci(*s['aes_ci'], fmt='.3f')}) | {s['entropy']:.3f} | {s['tokens']:.3g} |")
     return "\n".join(lines)
 
@@ -286,7 +304,7 @@ def run_compare(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "compare.csv", "w", newline="") as f:
         keys = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target", "tokens_ratio",
-                "aes"]
+                "steps_to_target", "aes"]
         csv.DictWriter(f, fieldnames=keys, extrasaction="ignore").writerows([dict(zip(keys, keys))] + rows)
     (out / "compare.json").write_text(json.dumps({"target": target, "strategies": summary, "runs": rows}, indent=1))
     print(f"\nwrote {out / 'compare.csv'} and {out / 'compare.json'}")

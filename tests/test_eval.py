@@ -141,6 +141,7 @@ def test_sustained_crossing_hand_values():
     assert ev.sustained_crossing(curve, 0.8) is None  # never reached
     assert ev.sustained_crossing(curve[:4], 0.5) is None  # touched once, ended below: no crossing
     assert ev.sustained_crossing([(0, 0, 0.5, 0.0)], 0.5) == 0
+    assert ev.unreached(0.0) == 0 and ev.unreached(None) == math.inf  # reached at the start is not "never"
 
 
 def test_bootstrap_t_interval_and_welch_hand_values():
@@ -181,6 +182,9 @@ def test_compare_on_synthetic_runs(tmp_path, capsys):
     summary = {s["strategy"]: s for s in json.loads((out / "compare.json").read_text())["strategies"]}
     assert summary["dynamic"]["seeds"] == 1 and summary["none"]["seeds"] == 2  # 0.2 → 0.9 crosses 0.55 at 1500
     assert float(rows["dynamic", "0"]["tokens_ratio"]) == pytest.approx(1500 / 2000)
+    # steps: none's seed-mean curve (0, 0.2), (1, 0.475), (2, 0.55) crosses 0.55 at step 2; fifo at 1 and 0.875
+    assert float(rows["fifo", "0"]["steps_to_target"]) == 1 and float(rows["fifo", "1"]["steps_to_target"]) == pytest.approx(0.875)
+    assert summary["fifo"]["steps_ratio"] == pytest.approx((0.5 + 0.4375) / 2) and summary["none"]["steps_ratio"] == math.inf
     assert summary["fifo"]["ratio_median"] == pytest.approx((0.25 + 0.21875) / 2) and summary["fifo"]["reached"] == 2
     assert summary["none"]["reached"] == 1 and summary["fifo"]["p_vs_base"] == pytest.approx(ev.welch_p([0.6, 0.5], [0.5, 0.6]))
     lines = table.splitlines()
