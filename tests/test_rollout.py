@@ -2,6 +2,7 @@
 every end token stops, prompts follow each family's template, RLEP keeps token ids, overlong shaping and truncated
 rows, and each paper config states its prompt."""
 
+import itertools
 import json
 import re
 import sys
@@ -21,8 +22,6 @@ from rewards import RewardConfig, overlong_penalty, score_batch
 from rollout import RolloutConfig, end_ids, end_of_turn, generate, load_model, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).parent))
-import itertools
-
 import fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,6 +145,24 @@ def test_rlep_phase_one_round_trip_keeps_the_sampled_tokens(tmp_path):
     through_text = sum(tok(tok.decode(r["completion_ids"]), add_special_tokens=False)["input_ids"] != r["completion_ids"]
                        for r in rows)
     print(f"{len(rows)} phase-I rows: token-identical after the round trip; {through_text} would differ through text")
+
+
+def test_phase_one_tokens_count_in_the_runs_total(tmp_path):
+    """Through train.py: RLEP's phase-I generation (its .meta.json) is in tokens/generated_total from step 1 on and
+    in summary.json, beside the fresh generation alone (generated_tokens)."""
+    problem = load_problems("tiny_train", limit=1)[0]
+    src = tmp_path / "phase1.jsonl"
+    src.write_text(json.dumps({"problem": problem.problem, "completion": f"\\boxed{{{problem.answer}}}"}) + "\n")
+    (tmp_path / "phase1.jsonl.meta.json").write_text(json.dumps({"generated_tokens": 1234}))
+    out = tmp_path / "run"
+    assert train.main(["--config", "configs/tiny.yaml", f"--out_dir={out}", "--max_steps=2", "--rollout.batch_size=16",
+                       "--rollout.group_size=4", "--eval.n=4", "--eval.k=1", "--wandb.mode=disabled", "--threads=1",
+                       "--checkpoint.every=0", "--replay.strategy=rlep", f"--replay.rlep_source={src}"]) == 0
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens/generated_total"] - r["generated_tokens"] for r in rows] == [1234, 1234]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens_generated_total"] == summary["generated_tokens"] + 1234 > 1234
+    assert ev.load_run(out)["curve"][0][1] == 1234  # the initial eval sits after phase I
 
 
 def test_rlep_text_only_source_still_loads(tmp_path):
