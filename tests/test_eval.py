@@ -294,3 +294,23 @@ def test_save_correct_writes_only_verified_completions(tiny_random_model, tmp_pa
     assert "completions" not in json.loads((tmp_path / "out" / "results.json").read_text())["problems"]["custom"][0]
 
 
+
+
+def test_plateau_check_on_hand_made_curves(tmp_path):
+    """bench/plateau.py: last three evals within one SE of the seed-mean -> exit 0; a rising tail -> exit 1."""
+    def run(name, accs):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": 5 * i, "eval/accuracy": a, "eval/accuracy_se": 0.02} for i, a in enumerate(accs)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d)
+
+    script = [sys.executable, str(ROOT / "bench" / "plateau.py")]
+    # seed means 0.50, 0.51, 0.505 at the last three evals: spread 0.01 <= SE 0.02 / sqrt(2)
+    flat = subprocess.run([*script, run("a", [0.2, 0.5, 0.52, 0.50]), run("b", [0.2, 0.5, 0.50, 0.51])],
+                          check=False, capture_output=True, text=True)
+    assert flat.returncode == 0 and "-> plateaued" in flat.stdout
+    # seed means 0.45, 0.50, 0.55: spread 0.10 > 0.014
+    rising = subprocess.run([*script, run("c", [0.2, 0.45, 0.5, 0.55]), run("d", [0.2, 0.45, 0.5, 0.55])],
+                            check=False, capture_output=True, text=True)
+    assert rising.returncode == 1 and "still moving" in rising.stdout
