@@ -142,6 +142,11 @@ def load_model(path: str, trust_remote_code: bool = False, dtype: torch.dtype = 
     return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype), tokenizer
 
 
+def checkpoint_activations(model) -> None:
+    """Recompute activations in the backward pass (transformers 5.2x renamed gradient_checkpointing_enable)."""
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+
+
 def load_policy(cfg, path: str, device: torch.device, world: int):
     """The model to train (cfg is config.Config): (model, policy, tokenizer, ref, compute).
 
@@ -154,7 +159,7 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     bf16, fsdp = cfg.model.compute_dtype == "bfloat16", cfg.model.parallel == "fsdp" and world > 1
     model, tokenizer = load_model(path, cfg.model.trust_remote_code, torch.float32)
     if cfg.model.gradient_checkpointing:
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # v5.2x name
+        checkpoint_activations(model)
         model.config.use_cache = False
     ref = load_model(cfg.model.path, cfg.model.trust_remote_code, torch.bfloat16 if bf16 else torch.float32)[0] \
         if cfg.grpo.beta > 0 else None

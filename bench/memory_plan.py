@@ -127,7 +127,7 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
 
     import grpo
     from config import Config
-    from rollout import Rollouts
+    from rollout import Rollouts, checkpoint_activations
 
     torch.set_num_threads(2)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # imports done: the interpreter's own share
@@ -136,7 +136,7 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
         vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
         num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate, tie_word_embeddings=s.tied,
         max_position_embeddings=4096))
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # v5.2x name
+    checkpoint_activations(model)
     model.config.use_cache = False
     model.train()
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters (formula: {s.params() / 1e6:.1f} M)")
