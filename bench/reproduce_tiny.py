@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from config import load_config
 from replay import STRATEGIES
 
 
@@ -53,14 +54,17 @@ def train(configs: Path, name: str, seed: int, out: Path, extra: list[str]) -> P
     return run
 
 
-def rlep_phase_one(out: Path, seed: int) -> Path:
-    """RLEP phase I from the final model of `none` seed `seed`: 8 samples per training problem at the training
-    sampling settings of configs/tiny.yaml; the verified-correct ones are kept."""
+def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path:
+    """RLEP phase I from the final model of `none` seed `seed`: G samples per training problem with the rlep arm's
+    own sampling settings (`config` and the overrides); the verified-correct ones are kept."""
     phase1 = out / "rlep_phase1.jsonl"
     if not phase1.exists():
+        cfg = load_config(str(config), extra)
+        r = cfg.rollout
         subprocess.run(
             [sys.executable, "eval.py", "--model", str(out / f"none-s{seed}" / "final"), "--benchmarks", "tiny_train",
-             "--k", "8", "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", "48", "--template", "{problem}",
+             "--k", str(r.group_size), "--temperature", str(r.temperature), "--top-p", str(r.top_p), "--top-k",
+             str(r.top_k), "--max-new-tokens", str(r.max_new_tokens), "--template", cfg.data.template,
              "--batch-size", "256", "--save-correct", str(phase1), "--out-dir", str(out / "rlep_phase1"), "--overwrite"],
             cwd=REPO, check=True)
     return phase1
@@ -87,7 +91,8 @@ def main() -> None:
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:
         list(pool.map(lambda s: train(configs, "none", s, out, extra), a.seeds))
-        rlep = [f"--replay.rlep_source={rlep_phase_one(out, a.seeds[0])}"] if "rlep" in names else []
+        rlep = [f"--replay.rlep_source={rlep_phase_one(out, a.seeds[0], configs / 'rlep.yaml', extra)}"] \
+            if "rlep" in names else []
         jobs = [(n, s) for n in names if n != "none" for s in a.seeds]
         list(pool.map(lambda j: train(configs, j[0], j[1], out, extra + (rlep if j[0] == "rlep" else [])), jobs))
     print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
