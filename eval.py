@@ -223,6 +223,16 @@ def unreached(x: float | None) -> float:
     return math.inf if x is None else x  # (0 is a crossing at the start, not "never")
 
 
+def seed_mean_curve(runs: list[dict]) -> list[tuple]:
+    """(step, step, mean accuracy, its standard error: mean se / √seeds) at the steps every run evaluated."""
+    at = {}
+    for r in runs:
+        for step, _, acc, se in r["curve"]:
+            at.setdefault(step, []).append((acc, se))
+    return [(k, k, statistics.fmean(a for a, _ in v), statistics.fmean(e for _, e in v) / len(v) ** 0.5)
+            for k, v in sorted(at.items()) if len(v) == len(runs)]
+
+
 def compare_runs(runs: list[dict], baseline: str = "none", target: float | None = None, aes_weights=(1.0, 3.0, 5.0)):
     """(per-run rows, per-strategy rows, target): the measures of the module docstring against the `baseline` runs."""
     base = [r for r in runs if r["strategy"] == baseline and r["final"] is not None]
@@ -238,13 +248,7 @@ def compare_runs(runs: list[dict], baseline: str = "none", target: float | None 
     groups = {}
     for r in runs:
         groups.setdefault(r["strategy"], []).append(r)
-    at = {}  # the baseline's seed-mean curve, at the steps every seed evaluated (its standard error: se / √seeds)
-    for r in base:
-        for step, _, acc, se in r["curve"]:
-            at.setdefault(step, []).append((acc, se))
-    mean = [(k, k, statistics.fmean(a for a, _ in v), statistics.fmean(e for _, e in v) / len(v) ** 0.5)
-            for k, v in sorted(at.items()) if len(v) == len(base)]
-    S_b = unreached(sustained_crossing(mean, target)) if base and not math.isnan(target) else math.nan
+    S_b = unreached(sustained_crossing(seed_mean_curve(base), target)) if base and not math.isnan(target) else math.nan
     summary = []
     for s, g in sorted(groups.items(), key=lambda kv: (kv[0] != baseline, kv[0])):
         acc, ratios = [r["final"] for r in g if r["final"] is not None], [unreached(r["tokens_ratio"]) for r in g]

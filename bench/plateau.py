@@ -10,31 +10,26 @@ eval (the per-run SE / √seeds). Exit 0 when the seed-mean curve's last three e
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-
-def evals(run: Path) -> list[tuple[int, float, float]]:
-    """(step, accuracy, its standard error) for every eval of a run, in step order."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return sorted((r["step"], r["eval/accuracy"], r["eval/accuracy_se"]) for r in rows if "eval/accuracy" in r)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eval import load_run, seed_mean_curve
 
 
-def main(runs: list[Path]) -> int:
-    curves = [evals(r) for r in runs]
-    for run, curve in zip(runs, curves, strict=True):
-        last = curve[-3:]
-        accs = [a for _, a, _ in last]
-        spread, se = max(accs) - min(accs), last[-1][2]
-        print(f"{run}: steps {[s for s, _, _ in last]} acc {[round(a, 3) for a in accs]} "
+def main(paths: list[Path]) -> int:
+    runs = [load_run(p) for p in paths]
+    for path, run in zip(paths, runs, strict=True):
+        last = run["curve"][-3:]  # (step, tokens, accuracy, se)
+        accs = [a for _, _, a, _ in last]
+        spread, se = max(accs) - min(accs), last[-1][3]
+        print(f"{path}: steps {[s for s, *_ in last]} acc {[round(a, 3) for a in accs]} "
               f"spread {spread:.3f} vs SE {se:.3f} -> {'flat' if spread <= se else 'moving'}")
-    steps = sorted(set.intersection(*({s for s, _, _ in c} for c in curves)))[-3:]
-    mean = [sum({s: a for s, a, _ in c}[t] for c in curves) / len(curves) for t in steps]
-    se = sum(c[-1][2] for c in curves) / len(curves) / len(curves) ** 0.5
+    last = seed_mean_curve(runs)[-3:]
+    mean, se = [a for _, _, a, _ in last], last[-1][3]
     spread = max(mean) - min(mean)
-    print(f"seed mean ({len(curves)} runs): steps {steps} acc {[round(m, 3) for m in mean]} spread {spread:.3f} "
-          f"vs SE {se:.3f} -> {'plateaued' if spread <= se else 'still moving'}")
+    print(f"seed mean ({len(runs)} runs): steps {[s for s, *_ in last]} acc {[round(m, 3) for m in mean]} "
+          f"spread {spread:.3f} vs SE {se:.3f} -> {'plateaued' if spread <= se else 'still moving'}")
     return 0 if spread <= se else 1
 
 

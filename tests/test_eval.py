@@ -301,8 +301,10 @@ def test_plateau_check_on_hand_made_curves(tmp_path):
     def run(name, accs):
         d = tmp_path / name
         d.mkdir()
-        rows = [{"step": 5 * i, "eval/accuracy": a, "eval/accuracy_se": 0.02} for i, a in enumerate(accs)]
+        rows = [{"step": 5 * i, "generated_tokens": 1000 * i, "eval/accuracy": a, "eval/accuracy_se": 0.02}
+                for i, a in enumerate(accs)]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "config.yaml").write_text("replay:\n  strategy: none\n")
         return str(d)
 
     script = [sys.executable, str(ROOT / "bench" / "plateau.py")]
