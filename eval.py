@@ -1,51 +1,35 @@
-"""Evaluate a checkpoint on math benchmarks, and compare finished training runs by replay strategy.
+"""Evaluate a checkpoint on math benchmarks (`--compare`: compare training runs, see compare.py).
 
 Usage:
   python eval.py --model data/tiny_model --benchmarks tiny --k 8 --max-new-tokens 48 --template "{problem}"
   python eval.py --model Qwen/Qwen2.5-Math-1.5B --benchmarks math500,gsm8k,aime24,aime25,amc23 \\
       --data-dir /path/to/benchmarks --k 8 --temperature 0.6 --limit 100 --out-dir eval_results/qwen1.5b
-  python eval.py --compare runs/repro/none-s0 runs/repro/none-s1 runs/repro/aper-s0 ... --out-dir runs/repro/compare
-  python eval.py --compare runs/repro/none-s0 ... aper_half=runs/repro_half/aper-s0 ...  # arms named by hand
+  python eval.py --compare runs/repro/none-s0 runs/repro/aper-s0 ...  # = python compare.py ...
 
 Metrics, k samples per problem, averaged over problems ("macro" weighs every benchmark equally): avg@k (the
 unbiased estimate of pass@1, with its standard error over problems), pass@k (Chen et al.'s unbiased estimator),
 maj@k (the most frequent answer is right), tokens (mean response tokens), trunc (share that hit the length cap),
 entropy (the sampling policy's mean token entropy). A run's model is evaluated into the run: `runs/x/final` writes
 `runs/x/eval/final/results.json`, and an existing result is replaced only with --overwrite.
-
---compare, per strategy against the baseline (`none`), with seeds as the unit of replication:
-  tokens to target  generated tokens (phase-I generation included) at which the eval curve, interpolated linearly,
-                    first reaches the target (the baseline's mean final accuracy) and then stays at or above the
-                    target minus one standard error at every later eval; ÷ the baseline's mean tokens for its run
-  steps to target   the same crossing in steps, ÷ the steps at which the baseline's seed-mean curve crosses it
-                    (RLEP's measure: the baseline's peak, 135 vs 380 steps)
-  final accuracy    mean with a 95 % t interval, and Welch's p against the baseline
-  AES               O1-Pruner's accuracy-efficiency score against the baseline's means (`aes`)
-  entropy           the sampling policy's token entropy at the last eval
-Medians, means and AES carry 95 % percentile bootstrap intervals over seeds (every resample when there are ≤ 6).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import itertools
 import json
 import math
-import random
 import re
 import statistics
 import sys
 from collections import Counter
 from pathlib import Path
 
-import mpmath
 import torch
-import yaml
 from tqdm import tqdm
 
+import compare
 import rewards
-from data.loaders import NAMED, Problem, load_problems, read_jsonl
+from data.loaders import NAMED, Problem, load_problems
 from rollout import RolloutConfig, end_ids, generate, load_model, prompt_ids
 
 DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -64,15 +48,6 @@ def maj_at_k(answers: list[str | None], correct: list[bool]) -> float:
                     .replace("\\tfrac", "\\frac").rstrip(".") for a, ok in zip(answers, correct, strict=True)
                     if ok or a is not None)
     return float(bool(votes) and votes.most_common(1)[0][0] is True)  # a bool key never collides with a string
-
-
-def aes(L: float, A: float, L_b: float, A_b: float, alpha: float = 1.0, beta: float = 3.0, gamma: float = 5.0) -> float:
-    """O1-Pruner's accuracy-efficiency score of (length L, accuracy A) against a baseline (L_b, A_b): shorter is
-    rewarded by alpha, an accuracy gain by beta, a loss penalised by gamma. NaN if the baseline is 0."""
-    if L_b <= 0 or A_b <= 0:
-        return math.nan
-    dL, dA = (L_b - L) / L_b, (A - A_b) / A_b
-    return alpha * dL + (beta * dA if dA >= 0 else gamma * dA)
 
 
 def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: RolloutConfig, reward_cfg,
@@ -133,185 +108,12 @@ def results_table(results: dict[str, dict], k: int) -> str:
         for name, r in rows.items()])
 
 
-# ------------------------------------------------------------------------------------------- comparing runs
-
-
-def load_run(path: str | Path) -> dict:
-    """A finished (or unfinished) run folder: its strategy (`dynamic` for none with rollout.dynamic_sampling), seed,
-    eval curve and summary."""
-    path = Path(path)
-    if not (path / "metrics.jsonl").is_file() and not (path / "summary.json").is_file():
-        raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
-    summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
-    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    rows = read_jsonl(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
-    strategy = summary.get("strategy") or (config.get("replay") or {}).get("strategy")
-    if strategy is None:
-        raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
-    if (config.get("rollout") or {}).get("dynamic_sampling"):  # regenerating is its own arm, never the baseline
-        strategy = "dynamic" if strategy == "none" else f"{strategy}+dynamic"
-    acc0 = summary.get("eval_accuracy_initial")
-    spent = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0) if rows else 0  # phase I
-    start = [(0, spent, acc0, 0.0)] if acc0 is not None else []
-    curve = start + [(r["step"], r.get("tokens/generated_total", r["generated_tokens"]), r["eval/accuracy"],
-                      r.get("eval/accuracy_se", 0.0)) for r in rows if r.get("eval/accuracy") is not None]
-    last = rows[-1] if rows else {}
-    return {"path": str(path), "strategy": strategy, "seed": summary.get("seed", config.get("seed")), "curve": curve,
-            "final": curve[-1][2] if curve else None,
-            "length": summary.get("eval_response_len_final", last.get("eval/response_len")),
-            "tokens": summary.get("tokens_generated_total", last.get("tokens/generated_total",
-                                                                     last.get("generated_tokens"))),
-            "entropy": summary.get("eval_entropy_final", last.get("eval/entropy"))}
-
-
-def sustained_crossing(curve: list[tuple], target: float) -> float | None:
-    """Generated tokens where the eval curve (step, tokens, accuracy, standard error) first reaches `target` by linear
-    interpolation between evals, counting a crossing only if every later eval stays ≥ target − its standard
-    error."""
-    for j, (_, x, y, _) in enumerate(curve):
-        if y >= target and all(y2 >= target - se for _, _, y2, se in curve[j + 1 :]):
-            if j == 0:
-                return x
-            x0, y0 = curve[j - 1][1], curve[j - 1][2]
-            return x0 + (target - y0) / (y - y0) * (x - x0) if y > y0 else x
-    return None
-
-
-def bootstrap(values: list[float], stat=statistics.median, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of `stat` over `values` (seeds): every resample when there are ≤ 6 values,
-    else 20,000 drawn with a fixed seed. Unreached targets enter as inf."""
-    n = len(values)
-    rng = random.Random(0)
-    draws = itertools.product(values, repeat=n) if n <= 6 else (rng.choices(values, k=n) for _ in range(20_000))
-    stats = sorted(stat(d) for d in draws)
-
-    def percentile(q):  # linear between neighbours, as numpy's default, but inf stays inf
-        i, f = divmod(q / 100 * (len(stats) - 1), 1)
-        a, b = stats[int(i)], stats[min(int(i) + 1, len(stats) - 1)]
-        return a if f == 0 or a == b else a + f * (b - a)
-
-    return percentile(50 - 50 * level), percentile(50 + 50 * level)
-
-
-def t_sf(t: float, df: float) -> float:
-    """P(T > t) for Student's t with `df` degrees of freedom (regularized incomplete beta, from mpmath)."""
-    p = 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
-    return p if t >= 0 else 1 - p
-
-
-def mean_interval(xs: list[float], level: float = 0.95) -> tuple[float, float]:
-    """Student-t interval of the mean (the quantile found by bisection)."""
-    if len(xs) < 2:
-        return (math.nan, math.nan)
-    lo, hi = 0.0, 1e3
-    for _ in range(100):
-        lo, hi = (lo, (lo + hi) / 2) if t_sf((lo + hi) / 2, len(xs) - 1) < (1 - level) / 2 else ((lo + hi) / 2, hi)
-    half = hi * statistics.stdev(xs) / len(xs) ** 0.5
-    return statistics.fmean(xs) - half, statistics.fmean(xs) + half
-
-
-def welch_p(a: list[float], b: list[float]) -> float:
-    """Two-sided p-value of Welch's t-test that the means of `a` and `b` differ."""
-    va, vb = (statistics.variance(x) / len(x) if len(x) > 1 else math.nan for x in (a, b))
-    if not va + vb > 0:
-        return math.nan if math.isnan(va + vb) else float(statistics.fmean(a) == statistics.fmean(b))
-    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    return 2 * t_sf(abs(statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb), df)
-
-
-def unreached(x: float | None) -> float:
-    return math.inf if x is None else x  # (0 is a crossing at the start, not "never")
-
-
-def seed_mean_curve(runs: list[dict]) -> list[tuple]:
-    """(step, step, mean accuracy, its standard error: mean se / √seeds) at the steps every run evaluated."""
-    at = {}
-    for r in runs:
-        for step, _, acc, se in r["curve"]:
-            at.setdefault(step, []).append((acc, se))
-    return [(k, k, statistics.fmean(a for a, _ in v), statistics.fmean(e for _, e in v) / len(v) ** 0.5)
-            for k, v in sorted(at.items()) if len(v) == len(runs)]
-
-
-def compare_runs(runs: list[dict], baseline: str = "none", target: float | None = None, aes_weights=(1.0, 3.0, 5.0)):
-    """(per-run rows, per-strategy rows, target): the measures of the module docstring against the `baseline` runs."""
-    base = [r for r in runs if r["strategy"] == baseline and r["final"] is not None]
-    A_b, L_b, T_b = (statistics.fmean(r[k] for r in base) if base else math.nan for k in ("final", "length", "tokens"))
-    target = A_b if target is None else target
-    for r in runs:
-        x = sustained_crossing(r["curve"], target) if not math.isnan(target) else None
-        by_step = [(c[0], c[0], *c[2:]) for c in r["curve"]]  # the same rule with steps in place of tokens
-        r["steps_to_target"] = sustained_crossing(by_step, target) if not math.isnan(target) else None
-        r |= {"tokens_to_target": x, "tokens_ratio": x / T_b if x is not None and T_b > 0 else None,
-              "aes": math.nan if None in (r["length"], r["final"]) else aes(r["length"], r["final"], L_b, A_b,
-                                                                             *aes_weights)}
-    groups = {}
-    for r in runs:
-        groups.setdefault(r["strategy"], []).append(r)
-    S_b = unreached(sustained_crossing(seed_mean_curve(base), target)) if base and not math.isnan(target) else math.nan
-    summary = []
-    for s, g in sorted(groups.items(), key=lambda kv: (kv[0] != baseline, kv[0])):
-        acc, ratios = [r["final"] for r in g if r["final"] is not None], [unreached(r["tokens_ratio"]) for r in g]
-        aes_v = [r["aes"] for r in g if not math.isnan(r["aes"])]
-        steps = [unreached(r["steps_to_target"]) / S_b if S_b > 0 else math.nan for r in g]  # ÷ the baseline's
-        summary.append({"strategy": s, "seeds": len(g), "ratios": ratios, "ratio_median": statistics.median(ratios),
-                        "ratio_ci": bootstrap(ratios), "reached": sum(math.isfinite(x) for x in ratios),
-                        "steps_ratio": statistics.median(steps), "steps_ratio_ci": bootstrap(steps),
-                        "acc_mean": statistics.fmean(acc), "acc_ci": mean_interval(acc),
-                        "p_vs_base": welch_p(acc, [r["final"] for r in base]) if s != baseline else math.nan,
-                        "aes_mean": statistics.fmean(aes_v) if aes_v else math.nan,
-                        "aes_ci": bootstrap(aes_v, statistics.fmean) if aes_v else (math.nan,) * 2,
-                        "entropy": math.nan if any(r["entropy"] is None for r in g) else
-                        statistics.fmean(r["entropy"] for r in g),
-                        "tokens": statistics.fmean(r["tokens"] for r in g)})
-    return runs, summary, target
-
-
-def compare_table(summary: list[dict], target: float, baseline: str = "none") -> str:
-    def ci(a, b, scale=1.0, fmt=".2f"):
-        return "–".join("∞" if math.isinf(x) else f"{scale * x:{fmt}}" for x in (a, b))
-
-    lines = [(f"| strategy | seeds | final acc % (95% CI) | p vs {baseline} | tokens to {100 * target:.1f}% ÷ "
-              f"{baseline}'s: median (95% CI) [per seed] | reached | steps to it ÷ {baseline}'s (95% CI) | "
-              f"AES vs {baseline} (95% CI) | eval entropy | tokens generated |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in summary:
-        ratio = "never reached" if math.isinf(s["ratio_median"]) else f"{s['ratio_median']:.2f}"
-        seeds = " / ".join("–" if math.isinf(x) else f"{x:.2f}" for x in s["ratios"])
-        p = "" if math.isnan(s["p_vs_base"]) else f"{s['p_vs_base']:.3f}"
-        acc = f"{100 * s['acc_mean']:.1f} ({ci(*s['acc_ci'], 100, '.1f')})"
-        lines.append(f"| {s['strategy']} | {s['seeds']} | {acc} | {p} | "
-                     f"{ratio} ({ci(*s['ratio_ci'])}) [{seeds}] | {s['reached']}/{s['seeds']} | "
-                     f"{s['steps_ratio']:.2f} ({ci(*s['steps_ratio_ci'])}) | {s['aes_mean']:.3f} "
-                     f"({ci(*s['aes_ci'], fmt='.3f')}) | {s['entropy']:.3f} | {s['tokens']:.3g} |")
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
 def fail(msg: str) -> None:
     print(f"eval.py: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def run_compare(args) -> None:
-    try:
-        runs = [load_run(d.partition("=")[2]) | {"strategy": d.partition("=")[0]} if "=" in d.split("/")[0]
-                else load_run(d) for d in args.compare]  # LABEL=RUN_DIR names the arm
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e))
-    weights = (args.aes_alpha, args.aes_beta, args.aes_gamma)
-    rows, summary, target = compare_runs(runs, args.baseline, args.target, weights)
-    print(compare_table(summary, target, args.baseline))
-    out = Path(args.out_dir or "eval_results/compare")
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "compare.csv", "w", newline="") as f:
-        keys = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target", "tokens_ratio",
-                "steps_to_target", "aes"]
-        csv.DictWriter(f, fieldnames=keys, extrasaction="ignore").writerows([dict(zip(keys, keys))] + rows)
-    (out / "compare.json").write_text(json.dumps({"target": target, "strategies": summary, "runs": rows}, indent=1))
-    print(f"\nwrote {out / 'compare.csv'} and {out / 'compare.json'}")
 
 
 def default_out_dir(model: str) -> Path:
@@ -395,13 +197,17 @@ def save_correct(path: str, problems: list[Problem], records: list[dict], meta: 
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--compare" in argv:  # comparing runs: compare.py, with this program's name in its errors
+        compare.main([a for a in argv if a != "--compare"], prog="eval.py")
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model", help="local checkpoint folder or Hugging Face model id")
-    mode.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="training run folders to compare; LABEL=RUN_DIR "
-                      "puts a run in arm LABEL (default: its strategy)")
-    ap.add_argument("--out-dir", help="where results go (default: <run>/eval/<model>, eval_results/<model>, "
-                    "eval_results/compare)")
+    mode.add_argument("--compare", nargs="+", metavar="RUN_DIR",
+                      help="compare training runs instead (python compare.py --help)")
+    ap.add_argument("--out-dir", help="where results go (default: <run>/eval/<model>, "
+                    "eval_results/<model>)")
     g = ap.add_argument_group("evaluating a model")
     g.add_argument("--benchmarks", default="tiny", help=f"comma list of tiny, {', '.join(NAMED)}, .jsonl/.parquet "
                    "paths, hf:NAME")
@@ -423,15 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--save-correct", metavar="JSONL", help="write every verified-correct completion (RLEP phase I)")
     g.add_argument("--overwrite", action="store_true", help="replace existing results")
-    c = ap.add_argument_group("comparing runs")
-    c.add_argument("--baseline", default="none", help="strategy the ratios, p-values and AES are measured against")
-    c.add_argument("--target", type=float, help="eval accuracy (0-1) for tokens-to-target (default: the baseline's "
-                   "final mean)")
-    c.add_argument("--aes-alpha", type=float, default=1.0)
-    c.add_argument("--aes-beta", type=float, default=3.0)
-    c.add_argument("--aes-gamma", type=float, default=5.0)
     args = ap.parse_args(argv)
-    run_compare(args) if args.compare else run_eval(args)
+    run_eval(args)
 
 
 if __name__ == "__main__":

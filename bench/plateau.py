@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eval import load_run, seed_mean_curve
+from compare import load_run, seed_mean_curve
 
 
 def main(paths: list[Path]) -> int:

@@ -1,15 +1,18 @@
-"""Plot eval accuracy against generated tokens from an `eval.py --compare` output (its compare.json).
+"""Plot held-out accuracy against generated tokens from a comparison's compare.json.
 
 Usage:
   python bench/plot_compare.py runs/repro/compare/compare.json docs/tiny_replay_compare.png
 
-Per strategy: the mean over seeds with a min–max band, on the token range every seed covers (seeds evaluate at
-different token counts, so each curve is interpolated onto one grid); the dotted line is the comparison's target.
+Per arm: the seed mean with its 95 % t interval as a band, on the token range every seed covers
+(seeds evaluate at different token counts, so each curve is interpolated onto one grid). Curves
+start at 0 tokens, flat at the step-0 accuracy while RLEP's phase I generates, as the area counts
+them; the dashed line marks the area's budget, the dotted one the tokens-to-target target.
 Needs matplotlib (bench/requirements.txt).
 """
 
 import json
 import sys
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -17,22 +20,43 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compare import t_quantile
+
+
+def seed_curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(grid, accuracies (seeds, 200)) over the token range every run covers."""
+    curves = []
+    for r in runs:
+        xy = np.array(r["curve"], dtype=float)[:, 1:3]  # (evals, 2): tokens, accuracy
+        if r["curve"][0][0] == 0:
+            xy = np.vstack([[0.0, xy[0, 1]], xy])  # phase I: the initial policy's accuracy
+        curves.append(xy.T)
+    lo = max(x[0] for x, _ in curves)
+    hi = min(x[-1] for x, _ in curves)
+    grid = np.linspace(lo, max(lo, hi), 200)
+    return grid, np.stack([np.interp(grid, x, y) for x, y in curves])
+
 
 def plot(compare: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
-    order = [s["strategy"] for s in compare["strategies"]]  # the baseline first, as the table
-    for i, name in enumerate(order):
-        curves = [np.array(r["curve"], dtype=float)[:, 1:3].T for r in compare["runs"] if r["strategy"] == name and r["curve"]]
-        if not curves:
+    for i, arm in enumerate(compare["strategies"]):  # the baseline first, as the table
+        runs = [r for r in compare["runs"] if r["strategy"] == arm["strategy"] and r["curve"]]
+        if not runs:
             continue
-        lo, hi = max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves)
-        grid = np.linspace(lo, max(lo, hi), 200)
-        ys = 100 * np.stack([np.interp(grid, x, y) for x, y in curves])  # (seeds, 200)
-        (line,) = ax.plot(grid, ys.mean(0), color=f"C{i}", label=f"{name} (n={len(curves)})")
-        ax.fill_between(grid, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
-    ax.axhline(100 * compare["target"], color="grey", linestyle=":", label="target (baseline's final mean)")
-    ax.set(xlabel="generated tokens (phase I included)", ylabel="held-out accuracy (%)",
-           title="eval accuracy vs generation cost (band: min–max over seeds)")
+        grid, ys = seed_curves(runs)
+        mean = 100 * ys.mean(0)
+        label = f"{arm['strategy']} (n={len(runs)})"
+        ax.plot(grid, mean, color=f"C{i}", label=label)
+        if len(runs) > 1:
+            half = 100 * t_quantile(0.975, len(runs) - 1) * ys.std(0, ddof=1) / len(runs) ** 0.5
+            ax.fill_between(grid, mean - half, mean + half, color=f"C{i}", alpha=0.15)
+    budget = f"area budget ({compare['budget']:.4g} tokens)"
+    ax.axvline(compare["budget"], color="black", linestyle="--", label=budget)
+    ax.axhline(100 * compare["target"], color="grey", linestyle=":", label="target")
+    ax.set(xlabel="generated tokens (phase I and dynamic-sampling rounds included)",
+           ylabel="held-out accuracy (%)",
+           title="eval accuracy vs generation cost (band: 95% t interval of the seed mean)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

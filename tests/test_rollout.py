@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+import compare
 import eval as ev
 import grpo
 import train
@@ -162,7 +163,7 @@ def test_phase_one_tokens_count_in_the_runs_total(tmp_path):
     assert [r["tokens/generated_total"] - r["generated_tokens"] for r in rows] == [1234, 1234]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens_generated_total"] == summary["generated_tokens"] + 1234 > 1234
-    assert ev.load_run(out)["curve"][0][1] == 1234  # the initial eval sits after phase I
+    assert compare.load_run(out)["curve"][0][1] == 1234  # the initial eval sits after phase I
 
 
 def test_rlep_text_only_source_still_loads(tmp_path):

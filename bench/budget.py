@@ -1,0 +1,155 @@
+"""The core's line budgets and density (issue #28), measured on the files as they are.
+
+Usage:
+  python bench/budget.py            # print the figures; exit 0
+  python bench/budget.py --check    # exit 1 if any target is missed
+  python bench/budget.py --root DIR # another tree
+
+Lines: non-blank, non-comment lines, docstrings counted (the rows a token other than a comment
+covers), per subject against its budget; the GRPO path includes a vLLM engine module if one exists.
+Density, over every subject file: lines over 100 characters; conditional expressions, comprehensions
+and tuples used as statements (`x.close() if x else None`, `[f(m) for m in ms]`, `a(), b()`);
+`# noqa` outside rewards.py (the verifier's sandbox, where a broad except is the contract);
+functions over 60 lines (from `def` to their last line); and the mean characters per counted line
+(indentation included, trailing spaces not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import re
+import sys
+import tokenize
+from pathlib import Path
+
+GRPO_PATH = ["train.py", "grpo.py", "replay.py", "rollout.py", "config.py"]
+ENGINES = ["engine.py", "vllm_engine.py"]
+BUDGETS = {"train.py": 380, "rewards.py": 500, "eval.py": 220, "checkpoint.py": 160,
+           "compare.py": 180}
+GRPO_BUDGET = 1650
+MAX_CHARS = 100
+MAX_FUNCTION = 60
+ROOT = Path(__file__).resolve().parents[1]
+STATEMENT_KINDS = (ast.IfExp, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Tuple)
+NOQA = re.compile(r"#\s*noqa", re.IGNORECASE)
+FINDINGS = [("long_lines", f"lines over {MAX_CHARS} characters"),
+            ("statements", "conditional expressions, comprehensions, tuples as statements"),
+            ("noqa", "# noqa outside rewards.py"),
+            ("functions", f"functions over {MAX_FUNCTION} lines")]
+SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+        tokenize.ENCODING, tokenize.ENDMARKER}
+
+
+def code_lines(source: str) -> list[int]:
+    """Numbers of the non-blank lines a token other than a comment covers (docstrings included)."""
+    rows = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in SKIP:
+            rows.update(range(tok.start[0], tok.end[0] + 1))
+    lines = source.splitlines()
+    return sorted(n for n in rows if n <= len(lines) and lines[n - 1].strip())
+
+
+def statement_expressions(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, kind) of each expression statement that is a conditional, comprehension or tuple."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, STATEMENT_KINDS):
+            found.append((node.lineno, type(node.value).__name__))
+    return sorted(found)
+
+
+def long_functions(tree: ast.AST) -> list[tuple[int, str, int]]:
+    """(line, name, length) of every function longer than MAX_FUNCTION lines, `def` to last line."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION:
+                found.append((node.lineno, node.name, length))
+    return sorted(found)
+
+
+def measure(path: Path) -> dict:
+    """One file's figures."""
+    source = path.read_text()
+    lines = source.splitlines()
+    counted = code_lines(source)
+    tree = ast.parse(source)
+    noqa = []
+    if path.name != "rewards.py":
+        noqa = [(n,) for n, line in enumerate(lines, 1) if NOQA.search(line)]
+    chars = sum(len(lines[n - 1].rstrip()) for n in counted)
+    return {"lines": len(counted), "chars": chars,
+            "long_lines": [n for n, line in enumerate(lines, 1) if len(line) > MAX_CHARS],
+            "statements": statement_expressions(tree), "noqa": noqa,
+            "functions": long_functions(tree)}
+
+
+def subjects(root: Path) -> list[tuple[str, list[str], int]]:
+    """(name, files, budget) per subject; the GRPO path with any engine module that exists."""
+    grpo = GRPO_PATH + [f for f in ENGINES if (root / f).is_file()]
+    found = [("GRPO path (" + " ".join(grpo) + ")", grpo, GRPO_BUDGET)]
+    for name, budget in BUDGETS.items():
+        found.append((name, [name], budget))
+    return found
+
+
+def report(root: Path) -> int:
+    """Prints every figure; returns the number of targets missed."""
+    files = {}
+    for _, names, _ in subjects(root):
+        for name in names:
+            if (root / name).is_file():
+                files[name] = measure(root / name)
+    missed = 0
+    print(f"{'subject':<60} {'lines':>6} {'budget':>7}")
+    for title, names, budget in subjects(root):
+        missing = [n for n in names if n not in files]
+        lines = sum(files[n]["lines"] for n in names if n in files)
+        verdict = "ok" if lines <= budget and not missing else "MISSED"
+        if missing:
+            verdict += " (no " + ", ".join(missing) + ")"
+        missed += verdict != "ok"
+        print(f"{title:<60} {lines:>6} {budget:>7}  {verdict}")
+    missed += density(files)
+    print(f"\n{missed} target(s) missed")
+    return missed
+
+
+def density(files: dict[str, dict]) -> int:
+    """Prints the density table and each finding; returns the number of density targets missed."""
+    print(f"\n{'file':<16} {'lines':>6} {'chars/line':>10} {'>100 ch':>8} {'stmt-expr':>9} "
+          f"{'noqa':>5} {'fn>60':>6}")
+    for name, m in files.items():
+        print(f"{name:<16} {m['lines']:>6} {m['chars'] / max(1, m['lines']):>10.1f} "
+              f"{len(m['long_lines']):>8} {len(m['statements']):>9} {len(m['noqa']):>5} "
+              f"{len(m['functions']):>6}")
+    lines = sum(m["lines"] for m in files.values())
+    chars = sum(m["chars"] for m in files.values())
+    print(f"{'all':<16} {lines:>6} {chars / max(1, lines):>10.1f}")
+    missed = 0
+    for key, title in FINDINGS:
+        found = [(name, item) for name, m in files.items() for item in m[key]]
+        print(f"\n{title}: {len(found)}")
+        missed += bool(found)
+        if key != "long_lines":
+            for name, item in found:
+                print(f"  {name}:" + ":".join(map(str, item)))
+    return missed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", default=str(ROOT), help="the tree to measure (default: this repo)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if any target is missed")
+    args = ap.parse_args(argv)
+    missed = report(Path(args.root))
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

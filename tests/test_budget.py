@@ -1,0 +1,94 @@
+"""bench/budget.py (issue #28's figures) on a small hand-made tree: each detector, the exit code."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import budget
+
+SMALL = '''"""A module docstring
+over two lines."""
+
+# a comment line is not counted
+
+import os
+
+
+def f(x):
+    """One line."""
+    return os.path.join(x,
+                        "y")  # a comment after code: counted
+'''
+
+
+def write_tree(root: Path, train: str = SMALL) -> Path:
+    for name in ["train.py", "grpo.py", "replay.py", "rollout.py", "config.py", "rewards.py",
+                 "eval.py", "checkpoint.py", "compare.py"]:
+        (root / name).write_text(SMALL)
+    (root / "train.py").write_text(train)
+    return root
+
+
+def test_budget_counts_code_lines_with_docstrings():
+    # lines 1-2 (docstring), 6 (import), 9-12 (def, docstring, the call over two lines): 7
+    assert budget.code_lines(SMALL) == [1, 2, 6, 9, 10, 11, 12]
+    blank_in_string = 'x = """a\n\nb"""\n'
+    assert budget.code_lines(blank_in_string) == [1, 3]  # a blank line inside a string is blank
+
+
+def test_budget_detectors_on_a_synthetic_tree(tmp_path):
+    body = "\n".join(f"    y{i} = {i}" for i in range(60))
+    bad = (SMALL + "\n\ndef long():\n" + body + "\n"  # def + 60 lines: 61
+           + "\n\ndef g(a, b):\n"
+           + "    a.close() if a else None\n"  # a conditional expression as a statement
+           + "    [print(m) for m in b]\n"  # a comprehension run for its side effect
+           + "    a.x(), b.y()\n"  # a tuple of calls
+           + "    {k: 1 for k in b}\n"
+           + "    return a if b else None  # noqa: E501\n"  # an expression, not a statement
+           + "# " + "x" * 100 + "\n")  # 102 characters
+    root = write_tree(tmp_path, bad)
+    sandbox = "try:\n    pass\nexcept Exception:  # noqa: BLE001\n    pass\n"
+    (root / "rewards.py").write_text(SMALL + sandbox)
+    m = budget.measure(root / "train.py")
+    assert m["statements"] == [(79, "IfExp"), (80, "ListComp"), (81, "Tuple"), (82, "DictComp")]
+    tree = budget.ast.parse("(x for x in y)\n{x for x in y}\nf(x)\n")
+    others = budget.statement_expressions(tree)
+    assert others == [(1, "GeneratorExp"), (2, "SetComp")]  # a plain call is fine
+    assert m["noqa"] == [(83,)] and m["long_lines"] == [84]
+    assert m["functions"] == [(15, "long", 61)]
+    assert budget.measure(root / "rewards.py")["noqa"] == []  # the verifier's sandbox is exempt
+    counted = budget.code_lines(bad)
+    assert m["chars"] == sum(len(bad.splitlines()[n - 1].rstrip()) for n in counted)
+    assert m["lines"] == 7 + 61 + 6
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr  # figures only, by default
+    out = proc.stdout
+    assert "conditional expressions, comprehensions, tuples as statements: 4" in out
+    assert "train.py:81:Tuple" in out and "functions over 60 lines: 1" in out
+    assert "# noqa outside rewards.py: 1" in out and "lines over 100 characters: 1" in out
+    grpo_path = next(line for line in out.splitlines() if line.startswith("GRPO path"))
+    assert grpo_path.split()[-3:] == [str(7 * 4 + 74), "1650", "ok"]
+    check = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
+                            "--check"], capture_output=True, text=True, check=False)
+    assert check.returncode == 1 and "4 target(s) missed" in check.stdout
+
+
+def test_budget_check_passes_on_a_clean_tree_and_counts_an_engine(tmp_path):
+    root = write_tree(tmp_path)
+    (root / "engine.py").write_text("x = 1\n" * 1700)  # a vLLM engine module is in the GRPO path
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
+                           "--check"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1
+    assert "GRPO path (train.py grpo.py replay.py rollout.py config.py engine.py)" in proc.stdout
+    (root / "engine.py").unlink()
+    (root / "checkpoint.py").unlink()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
+                           "--check"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1 and "(no checkpoint.py)" in proc.stdout  # a missing file misses
+    write_tree(root)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
+                           "--check"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and "0 target(s) missed" in proc.stdout
