@@ -274,11 +274,12 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, other
 
 def compare_table(summary: list[dict], target: float, budget: float, baseline: str = "none") -> str:
     """The markdown table: the area, final accuracy, then the secondary columns."""
-    header = (f"| strategy | seeds | area to {budget:.4g} tokens % (95% CI) [runs] | Δ pp | p | "
-              f"Holm p | verdict | detectable Δ pp | final acc % (95% CI) | p | Holm p | tokens to "
-              f"{100 * target:.1f}% ÷ {baseline}'s: median (95% CI) [per seed] | reached | steps "
-              f"to it ÷ {baseline}'s (95% CI) | AES (95% CI) | eval entropy | tokens generated |")
-    lines = [header, "|---|" + "---:|" * 16]
+    crossing = f"tokens to {100 * target:.1f}% ÷ {baseline}'s: median (95% CI) [per seed]"
+    columns = ["strategy", "seeds", f"area to {budget:,.0f} tokens % (95% CI) [runs]", "Δ pp",
+               "p", "Holm p", "verdict", "detectable Δ pp (80% power)", "final acc % (95% CI)",
+               "p", "Holm p", crossing, "reached", f"steps to it ÷ {baseline}'s (95% CI)",
+               "AES (95% CI)", "eval entropy", "tokens generated"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for s in summary:
         ratio = "never reached" if math.isinf(s["ratio_median"]) else f"{s['ratio_median']:.2f}"
         seeds = " / ".join("–" if math.isinf(x) else f"{x:.2f}" for x in s["ratios"])
@@ -332,6 +333,10 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         rows, summary, target, budget = compare_runs(runs, args.baseline, args.target,
                                                      args.aes_weights, args.budget)
         print(compare_table(summary, target, budget, args.baseline))
+        short = [r["path"] for r in rows if r["area"] is None]
+        if short:
+            print(f"\nnot in the area (short of the {budget:,.0f}-token budget, which --budget "
+                  f"sets, or no step-0 eval): {', '.join(short)}")
         write(Path(args.out_dir), rows, {"target": target, "budget": budget, "strategies": summary})
     except (OSError, ValueError, yaml.YAMLError) as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -340,9 +345,6 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
 
 def write(out: Path, rows: list[dict], result: dict) -> None:
     """compare.csv (per run; the area blank where left out) and compare.json (per arm, per run)."""
-    short = [r["path"] for r in rows if r["area"] is None]
-    if short:
-        print(f"\nnot in the area (short of the budget or no step-0 eval): {', '.join(short)}")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "compare.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")

@@ -151,7 +151,8 @@ def test_area_table_end_to_end_on_train_run_folders(tmp_path, capsys):
         rows = {(r["strategy"], r["seed"]): r for r in csv.DictReader(f)}
     assert float(rows["better", "1"]["area"]) == pytest.approx(areas["better"][1], abs=1e-12)
     assert rows["short", "0"]["area"] == ""  # short of the budget: flagged and left out
-    assert f"not in the area (short of the budget or no step-0 eval): {runs[-2]}" in table
+    flag = "not in the area (short of the 600-token budget, which --budget sets, or no step-0 eval)"
+    assert f"{flag}: {runs[-2]}\n" in table
     result = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert result["budget"] == 600
     s = {row["strategy"]: row for row in result["strategies"]}
