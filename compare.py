@@ -29,8 +29,9 @@ FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "t
 
 
 def load_run(path: str | Path) -> dict:
-    """A run folder: arm (`dynamic`: none with rollout.dynamic_sampling), seed, final figures,
-    eval curve [(step, generated tokens, accuracy, standard error)]; step 0 after RLEP's phase I."""
+    """A run folder: arm (`dynamic`: none with rollout.dynamic_sampling; `epochs2`: none with
+    optim.epochs = 2, `epochs4+gate` with optim.gate), seed, final figures, eval curve
+    [(step, generated tokens, accuracy, standard error)]; step 0 after RLEP's phase I."""
     path = Path(path)
     if not (path / "metrics.jsonl").is_file() and not (path / "summary.json").is_file():
         raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
@@ -44,6 +45,10 @@ def load_run(path: str | Path) -> dict:
         raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
     if (config.get("rollout") or {}).get("dynamic_sampling"):  # its own arm, never the baseline
         strategy = "dynamic" if strategy == "none" else f"{strategy}+dynamic"
+    optim = config.get("optim") or {}
+    if optim.get("epochs", 1) > 1:  # reuse too: epochs2, epochs4+gate, aper+epochs2
+        tag = f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate"))
+        strategy = tag if strategy == "none" else f"{strategy}+{tag}"
     phase1 = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0)
     curve = [(0, phase1, summary.get("eval_accuracy_initial"), 0.0)]
     for r in rows:

@@ -108,6 +108,10 @@ class OptimConfig:
     """Clip the global gradient norm to this (0 = off)."""
     minibatches: int = 1
     """Optimizer steps per generation step; the update batch's rows are shuffled and split into this many."""
+    epochs: int = 1
+    """μ: passes over each update batch (GRPO's μ, TRL's num_iterations, verl's ppo_epochs), each reshuffled."""
+    gate: float = 0.0
+    """0 = off; else drop a pass-2+ step whose lm_head grad norm > gate × the step's first, and stop (DGG)."""
     micro_batch_size: int = 64
     """Rows per forward/backward (memory knob); gradients accumulate over micro-batches: no effect on the maths."""
     logprob_batch_size: int = 128
@@ -121,6 +125,9 @@ class OptimConfig:
                 "beta1": (0 <= self.beta1 < 1, "in [0, 1)"), "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
                 "grad_clip": (0 <= self.grad_clip < math.inf, "≥ 0 (0 = off)"),
                 "minibatches": (self.minibatches >= 1, "≥ 1"), "micro_batch_size": (self.micro_batch_size > 0, "> 0"),
+                "epochs": (1 <= self.epochs <= 64, "in [1, 64]"),
+                "gate": (self.gate == 0 or (0 < self.gate < 1e6 and self.epochs > 1),
+                         "0 (off), or > 0 with optim.epochs > 1"),
                 "logprob_batch_size": (self.logprob_batch_size > 0, "> 0")}
 
 
