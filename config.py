@@ -109,9 +109,9 @@ class OptimConfig:
     minibatches: int = 1
     """Optimizer steps per generation step; the update batch's rows are shuffled and split into this many."""
     epochs: int = 1
-    """μ: passes over each update batch (GRPO's μ, TRL's num_iterations, verl's ppo_epochs), each reshuffled."""
+    """Passes over each update batch, each reshuffled (GRPO's μ, TRL's num_iterations)."""
     gate: float = 0.0
-    """0 = off; else drop a pass-2+ step whose lm_head grad norm > gate × the step's first, and stop (DGG)."""
+    """0 = off; else drop a reuse step with lm_head grad norm > gate × the first, and stop (DGG)."""
     micro_batch_size: int = 64
     """Rows per forward/backward (memory knob); gradients accumulate over micro-batches: no effect on the maths."""
     logprob_batch_size: int = 128

@@ -39,18 +39,21 @@ clip against the sampling policy, k3 KL to a reference with beta > 0):
 8. Entropy is measured, never added as a bonus (and never differentiated).
 9. Truncated rows can be left out of the loss (rollout.mask_truncated, DAPO's overlong filtering), and rewards can
    be shaped by length (rewards.overlong_penalty); both are off by default.
-10. Reuse inside a step (optim.epochs = μ, off at 1): μ passes over the update batch, each reshuffled into
-   optim.minibatches, as GRPO's μ iterations, TRL's num_iterations and verl's ppo_epochs. π_prox is π_old, taken
-   once at the start of the step (a no-grad pass), so on-policy rows clip against the policy that sampled them in
-   every pass; before the first optimizer step it is the training forward itself, so their ratio is exactly 1.
-   Replayed rows keep their mode's terms, now reused μ times per step besides their replays: `behaviour` clips
-   them against the stored μ in every pass (a row already outside the clip gives no gradient in any pass);
-   `decoupled` clips them against π_old with min(π_old/μ, C) fixed for the step; `shaped` bounds nothing, so μ
-   passes apply its unclipped term μ times. (With μ = 1 and several mini-batches the first mini-batch keeps the
-   no-grad π_prox, as before, so μ = 1 reproduces earlier runs bit for bit; the two differ by rounding.)
-11. Gradient gating (optim.gate, off by default; DGG, arXiv 2605.19425): in passes 2..μ an optimizer step whose
-   output-layer (lm_head) gradient norm exceeds gate × that of the step's first optimizer step is dropped before
-   AdamW sees it, and the step's remaining passes are not run (`OutputGrad` says how the norm is measured).
+10. Reuse inside a step (optim.epochs = E, GRPO's μ iterations, TRL's num_iterations, verl's
+   ppo_epochs; E = 1 by default; E, not μ, here, as μ is the behaviour policy): E passes over the
+   update batch, each reshuffled into optim.minibatches. π_prox is π_old, taken once at the start
+   of the step (a no-grad pass), so on-policy rows clip against the policy that sampled them in
+   every pass; before the first optimizer step it is the training forward itself, so their ratio
+   is exactly 1. Replayed rows keep their mode's terms and are now used E times per step on top of
+   their replays: `behaviour` clips them against the stored μ in every pass (a row outside the
+   clip gives no gradient in any pass); `decoupled` clips them against π_old, with min(π_old/μ, C)
+   fixed for the step; `shaped` bounds nothing, so its unclipped term is applied E times. (With
+   E = 1 and several mini-batches the first one keeps the no-grad π_prox, as before, so E = 1
+   reproduces earlier runs bit for bit.)
+11. Gradient gating (optim.gate, off by default; DGG, arXiv 2605.19425): in passes 2..E, an
+   optimizer step whose output-layer (lm_head) gradient norm exceeds gate × that of the step's
+   first optimizer step is dropped before AdamW sees it, and the step's remaining passes are not
+   run (`OutputGrad` says how the norm is measured, `Gate` why that reference).
 """
 
 from __future__ import annotations
@@ -319,10 +322,11 @@ def lr_at(step: int, cfg) -> float:
 
 
 def minibatch_plan(n: int, o) -> list[tuple[int, Tensor]]:
-    """(pass, rows) of every optimizer step of an update over n rows: o.epochs passes, each a shuffle of the rows
-    split into o.minibatches. The shuffles come from torch's global RNG (saved in checkpoints), all drawn before
-    the first step, so the stream after the update does not depend on where a gate stopped it. With one
-    mini-batch nothing is drawn (the order of the rows inside it changes nothing), as before epochs existed."""
+    """(pass, rows) of every optimizer step of an update over n rows: o.epochs passes, each a
+    shuffle of the rows split into o.minibatches. The shuffles come from torch's global RNG (saved
+    in checkpoints), all drawn before the first step, so that the stream after the update does not
+    depend on where a gate stopped it. With one mini-batch nothing is drawn (the order of the rows
+    inside it changes nothing), as before optim.epochs existed."""
     plan = []
     for epoch in range(o.epochs):
         order = torch.randperm(n) if o.minibatches > 1 else torch.arange(n)
@@ -332,16 +336,17 @@ def minibatch_plan(n: int, o) -> list[tuple[int, Tensor]]:
 
 
 class OutputGrad:
-    """The gradient of the loss with respect to the output projection's weight (lm_head), G^T·H summed over the
-    micro-batches of an optimizer step, from the projection's input H (N, d) and the gradient G (N, V) that
-    backward sends to its output, the logits: the weight's gradient as that one use of it makes it.
+    """The gradient of the loss with respect to the output projection's weight (lm_head): G^T·H
+    summed over the micro-batches of an optimizer step, from the projection's input H (N, d) and
+    the gradient G (N, V) that backward sends to its output, the logits.
 
-    Not read off the weight's .grad: with tied embeddings (the tiny model, Qwen2.5-0.5B/1.5B) that .grad also holds
-    the input embedding's share (the rows of the tokens read); a frozen lm_head (LoRA) has no .grad; and under
-    FSDP the .grad is a DTensor shard. A forward hook on the projection keeps H and hangs a hook on the logits
-    that receives G; neither changes any gradient. Passes without grad (no-grad log-probs, the prompt pass whose
-    logits are dropped) never reach backward and add nothing. Cost per micro-batch: one (V, N)·(N, d) product;
-    per optimizer step: one (V, d) all-reduce.
+    Not read off the weight's .grad: with tied embeddings (the tiny model, Qwen2.5-0.5B/1.5B) that
+    .grad also holds the input embedding's share (the rows of the tokens read); a frozen lm_head
+    (LoRA) has no .grad; under FSDP the .grad is a DTensor shard. A forward hook on the projection
+    keeps H and hangs a hook on the logits that receives G; neither changes any gradient. Passes
+    without grad (no-grad log-probs; the prompt pass, whose logits are dropped) never reach
+    backward and add nothing. Cost: one (V, N)·(N, d) product per micro-batch, one (V, d)
+    all-reduce per optimizer step.
     """
 
     def __init__(self, model):
@@ -361,7 +366,8 @@ class OutputGrad:
         self.acc = gh if self.acc is None else self.acc + gh
 
     def pop_norm(self) -> float:
-        """‖G^T·H‖ of the gradient DDP/FSDP apply (the ranks' sum ÷ world, as the loss is × world), then reset."""
+        """‖G^T·H‖ of the gradient DDP/FSDP apply (the ranks' sum ÷ world, as each rank's loss is
+        × world), then start again from zero."""
         acc = self.acc if self.acc is not None else torch.zeros(self.shape, device=self.device)
         self.acc = None
         if not dist.is_initialized():
@@ -374,16 +380,18 @@ class OutputGrad:
 
 
 class Gate:
-    """optim.gate (DGG, arXiv 2605.19425): the lm_head gradient norm of every optimizer step of an update, and the
-    decision to drop a step of a reuse pass (2..μ) whose norm exceeds gate × the reference, the norm of the
-    step's first optimizer step with a gradient: the single-use gradient of this very batch.
+    """optim.gate (DGG, arXiv 2605.19425): the lm_head gradient norm of every optimizer step of an
+    update, and the decision to drop a step of a reuse pass (2..E) whose norm exceeds gate × the
+    reference: the norm of the step's first optimizer step with a gradient, the single-use
+    gradient of this very batch.
 
-    Why that reference: it needs no state across steps (nothing to checkpoint; resume stays exact), and it
-    normalises away what changes from step to step (batch size, advantage scale, how many groups are flat), so
-    the ratio isolates what reuse adds. The paper's own rule is not in its abstract and we could not read its
-    text; secondary summaries describe a Z-score of the lm_head gradient energy and its increment over a sliding
-    window, active only from the second use of a batch on, with a maximum reuse of 4 and a threshold of 0.1-0.5.
-    The decision is agreed by a collective (MAX), so every rank drops the same step.
+    Why that reference: it needs no state across steps (nothing to checkpoint, so resume stays
+    exact), and it normalises away what changes from step to step (batch size, advantage scale,
+    how many groups are flat), so the ratio isolates what reuse adds. The paper's own rule is not
+    in its abstract, and we could not read its text; secondary summaries describe a Z-score of the
+    lm_head gradient energy and its increment over a sliding window, active from the second use of
+    a batch on, with at most 4 uses and a threshold of 0.1-0.5. Every rank takes the same decision
+    (a MAX all-reduce).
     """
 
     def __init__(self, model, o):
@@ -396,29 +404,30 @@ class Gate:
         out = {"optim/lm_head_grad_norm": norm}
         if epoch == 0:
             return out
-        no_ref = math.inf if norm > 0 else 0.0  # epoch 0 had no gradient at all
-        out["optim/lm_head_grad_ratio"] = norm / self.ref if self.ref > 0 else no_ref
+        no_ref = math.inf if norm > 0 else 0.0  # the first pass had no gradient at all
+        out["optim/lm_head_grad_ratio_max"] = norm / self.ref if self.ref > 0 else no_ref
         crossed = self.gate > 0 and norm > self.gate * self.ref
-        return out | {"gated": all_ranks(float(crossed), dist.ReduceOp.MAX if dist.is_initialized() else None) > 0}
+        agreed = all_ranks(float(crossed), dist.ReduceOp.MAX if dist.is_initialized() else None)
+        return out | {"gated": agreed > 0}
 
     def close(self) -> None:
         self.head.close()
 
 
 def update_policy(cfg, model, policy, optimizer, batch, device, compute=None, ref=None) -> tuple:
-    """optim.epochs passes over `batch` (this rank's rows; cfg is config.Config), each of optim.minibatches optimizer
-    steps accumulating micro-batches of optim.micro_batch_size rows (`minibatch_plan`); with several passes, a
-    `Gate` measures the lm_head gradient of every step and may stop the update. `model` is the HF module (no-grad
-    passes, clipping, the weight check), `policy` what the training forward goes through (the model, compiled, or
-    DDP-wrapped).
+    """optim.epochs passes over `batch` (this rank's rows; cfg is config.Config), each of
+    optim.minibatches optimizer steps accumulating micro-batches of optim.micro_batch_size rows
+    (`minibatch_plan`); with several passes a `Gate` measures the lm_head gradient of every step
+    and may stop the update. `model` is the HF module (no-grad passes, clipping, the weight check),
+    `policy` what the training forward goes through (the model, compiled, or DDP-wrapped).
 
     Loss normalisers are totals over every rank, so the gradient DDP/FSDP average (hence `loss · world`) is the
     whole batch's. None of the following changes the gradient: rows with A = 0 are not run when beta = 0 (their
     gradient is exactly 0), micro-batches hold rows of similar length, and each prompt is run once for its rows.
     Under FSDP every rank runs as many forward/backward passes (a short rank adds one-row passes of weight 0).
-    Returns (metrics averaged over the optimizer steps, each row's mean token entropy under the policy in its last
-    pass (NaN if not trained on), why each step was skipped (None when taken), seconds per phase). Raises
-    FloatingPointError when an optimizer step leaves non-finite weights.
+    Returns (metrics averaged over the optimizer steps, each row's mean token entropy under the
+    policy in its last pass (NaN if not trained on), why each step was skipped (None when taken),
+    seconds per phase). Raises FloatingPointError when an optimizer step leaves non-finite weights.
     """
     gate = Gate(model, cfg.optim) if cfg.optim.epochs > 1 else None
     try:
@@ -432,15 +441,15 @@ def _update(cfg, model, policy, optimizer, batch, device, compute, ref, gate) ->
     times, world = {}, dist.get_world_size() if dist.is_initialized() else 1
     compute = compute or nullcontext()  # the bf16 autocast, or nothing
     trained = ~batch.truncated if cfg.rollout.mask_truncated else torch.ones(len(batch), dtype=torch.bool)
-    with timed(times, "prox_logprobs"):  # π_old at the start of the step, for the later optimizer steps
+    with timed(times, "prox_logprobs"):  # π_old at the start of the step, for the later steps
         reuse = cfg.optim.minibatches > 1 or cfg.optim.epochs > 1
         prox = no_grad_logprobs(model, batch, cfg, compute, device)[0] if reuse else None
     with timed(times, "ref_logprobs"):
         ref_lp = no_grad_logprobs(ref, batch, cfg, compute, device)[0] if ref is not None else None
     steps, reasons, entropy = [], [], torch.full((len(batch),), math.nan)
-    for epoch, rows in minibatch_plan(len(batch), cfg.optim):  # every rank takes the same number of steps
+    for epoch, rows in minibatch_plan(len(batch), cfg.optim):  # the same steps on every rank
         rows = rows[trained[rows]]
-        # Before the first optimizer step the training forward is π_old itself (exact: ratio 1 on fresh rows).
+        # Before the first optimizer step the training forward is π_old itself (ratio exactly 1).
         old = None if cfg.optim.epochs > 1 and not steps else prox
         total = all_ranks(torch.tensor([len(rows), float(batch.completion_len[rows].sum()),
                                         float((batch.advantage[rows] != 0).any())]))
@@ -474,12 +483,16 @@ def _update(cfg, model, policy, optimizer, batch, device, compute, ref, gate) ->
         with timed(times, "optimizer"):
             measured = gate.check(epoch) if gate else {}
             gated = measured.pop("gated", False)
-            steps.append(_optimizer_step(cfg, model, optimizer, sums, hi, lo, total[2] > 0, gated) | measured)
+            step = _optimizer_step(cfg, model, optimizer, sums, hi, lo, total[2] > 0, gated)
+            steps.append(step | measured)
             reasons.append(steps[-1].pop("skipped"))
         if gated:  # the lm_head gradient surged: stop reusing this batch
             break
     keys = sorted({k for s in steps for k in s})  # a step with no trained row has only loss and grad_norm
     metrics = {k: sum(s[k] for s in steps if k in s) / sum(k in s for s in steps) for k in keys}
+    ratios = [s.get("optim/lm_head_grad_ratio_max", 0.0) for s in steps[cfg.optim.minibatches:]]
+    if ratios:  # the largest ratio the gate compared, not their mean
+        metrics["optim/lm_head_grad_ratio_max"] = max(ratios)
     applied = [s for s, why in zip(steps, reasons) if why != "gated"]
     return metrics | {"tokens": sum(s.get("tokens", 0.0) for s in applied),
                       "optim/epochs_run": len(applied) / cfg.optim.minibatches,
@@ -488,9 +501,9 @@ def _update(cfg, model, policy, optimizer, batch, device, compute, ref, gate) ->
 
 def _optimizer_step(cfg, model, optimizer, sums: dict, hi: Tensor, lo: Tensor, any_signal: bool,
                     gated: bool = False) -> dict:
-    """Combine the metrics over ranks, clip, and step unless there is nothing to learn (all-zero advantages: AdamW
-    would still move the weights through momentum and decay), the loss or gradient is not finite, or the gate
-    closed (`gated`: the gradient is dropped before AdamW's moments see it)."""
+    """Combine the metrics over ranks, clip, and step unless there is nothing to learn (all-zero
+    advantages: AdamW would still move the weights through momentum and decay), the loss or
+    gradient is not finite, or the gate closed (`gated`: AdamW's moments never see the gradient)."""
     keys = sorted(sums)
     ext = all_ranks(torch.stack([hi, -lo]).double(), dist.ReduceOp.MAX if dist.is_initialized() else None)
     out = dict(zip(keys, all_ranks(torch.stack([sums[k] for k in keys])).tolist())) if keys else {"loss": 0.0}

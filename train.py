@@ -294,7 +294,8 @@ class Run:
     sharded: bool
     progress: dict = field(default_factory=lambda: {  # saved in checkpoints: with the states, all a resume needs
         "step": 0, "data_pos": 0, "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0, "wall": 0.0,
-        "skipped": {"nonfinite": 0, "zero_adv": 0, "gated": 0}, "wandb_id": None, "eval_initial": {}, "eval_last": {}})
+        "skipped": {"nonfinite": 0, "zero_adv": 0, "gated": 0}, "wandb_id": None,
+        "eval_initial": {}, "eval_last": {}})
     log: object = None  # rank 0's: metrics.jsonl open for appending, the out_dir lock, the wandb run
     lock: object = None
     wandb: object = None
@@ -524,7 +525,7 @@ def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, s
     local = dict(zip(keys, (all_ranks(torch.tensor([float(local[k]) for k in keys])) / r.world).tolist()))
     p["trained_tokens"] += int(update["tokens"])
     for reason in filter(None, skipped):
-        p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # (checkpoints from before gating lack "gated")
+        p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # older checkpoints lack "gated"
     return {"step": step + 1, "generated_tokens": p["generated_tokens"], "tokens/trained": p["trained_tokens"],
             "tokens/generated_total": p["generated_tokens"] + p["source_tokens"], "reward_mean": (s[2] / s[1]).item(),
             "correct_mean": (s[3] / s[1]).item(), "response_len": (s[0] / s[1]).item(),
