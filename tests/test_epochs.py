@@ -201,6 +201,24 @@ def test_gate_measures_the_output_projections_share_of_a_tied_gradient():
     assert head.pop_norm() == 0.0, "popped: the next step starts from zero"
 
 
+def test_gate_measures_a_frozen_output_layer():
+    """LoRA freezes the base, lm_head included: the hooks measure the same gradient whether or not
+    the weight gets a .grad (frozen: only the RMSNorm weights train)."""
+    model, batch = tiny_qwen3(300), synthetic_batch(300)
+    norms = []
+    for frozen in (False, True):
+        m = copy.deepcopy(model)
+        for name, p in m.named_parameters():
+            p.requires_grad_(not frozen or "norm" in name)
+        head = grpo.OutputGrad(m)
+        logp, _ = grpo.completion_logprobs(m, batch.tokens, batch.prompt_len, batch.seq_len, 0.9)
+        (logp * batch.advantage[:, None]).sum().backward()
+        norms.append(head.pop_norm())
+        head.close()
+    assert m.lm_head.weight.grad is None and m.model.norm.weight.grad is not None
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6) and norms[0] > 0
+
+
 def test_gate_forced_crossing_skips_the_update_and_stops_the_epochs():
     """gate = 1e-9: the first reuse step crosses; it is dropped (weights and AdamW state as after
     E = 1's single step) and the passes stop; the metrics say so."""
@@ -330,5 +348,23 @@ def test_epochs_2_sigkill_then_resume_is_bit_identical(tmp_path):
     reliability.assert_same_run(ref, out)
 
 
+def test_epochs_arms_have_their_own_compare_label(tmp_path):
+    """eval.py --compare puts a reuse run in an arm of its own, never in the `none` baseline."""
+    import yaml
+
+    from eval import load_run
+
+    cases = [(1, 0.0, "none", "none"), (2, 0.0, "none", "epochs2"), (4, 1.0, "none", "epochs4+gate"),
+             (2, 0.0, "aper", "aper+epochs2")]
+    for epochs, gate, strategy, label in cases:
+        run = tmp_path / label
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"strategy": strategy, "seed": 0}))
+        config = {"replay": {"strategy": strategy}, "optim": {"epochs": epochs, "gate": gate}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        assert load_run(run)["strategy"] == label
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(*sys.argv[2:5])
+

@@ -54,7 +54,8 @@ def test_every_strategy_has_a_tiny_config():
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_tiny_config_runs(tmp_path, name):
-    """Each configs/tiny/<name>.yaml (every strategy, and dynamic sampling) through train.py for three steps."""
+    """Each configs/tiny/<name>.yaml (every strategy, dynamic sampling, the reuse arms) through
+    train.py for three steps."""
     out = tmp_path / name
     extra = ["--replay.exgrpo_min_solve=0"] if name == "exgrpo" else []
     cmd = [sys.executable, "train.py", "--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}", "--max_steps=3",
@@ -63,7 +64,8 @@ def test_every_tiny_config_runs(tmp_path, name):
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     strategy = json.loads((out / "summary.json").read_text())["strategy"]
-    assert len(rows) == 3 and strategy == ("none" if name == "dynamic" else name)
+    no_replay = ("dynamic", "epochs2", "epochs4", "gated")
+    assert len(rows) == 3 and strategy == ("none" if name in no_replay else name)
     for r in rows:
         assert "replay/size" in r and "replay/token_share" in r and "replay/age_max" in r
     if name in ("uniform", "aper"):
@@ -72,5 +74,7 @@ def test_every_tiny_config_runs(tmp_path, name):
         assert all(r["replay/age_max"] <= 1 for r in rows)
     if name == "group":
         assert all("replay/groups_replaced" in r and "replay/flat_groups" in r for r in rows)
+    if name in ("epochs2", "epochs4", "gated"):  # every step measures the lm_head gradient
+        assert all(r["optim/lm_head_grad_norm"] > 0 and r["optim/epochs_run"] >= 1 for r in rows)
     if name == "dynamic":  # the update holds only informative groups, whatever it cost in rounds
         assert all(r["dynamic/rounds"] >= 1 and r["adv/zero_std_frac"] == 0 or r["dynamic/capped"] for r in rows)
