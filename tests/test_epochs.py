@@ -352,7 +352,7 @@ def test_epochs_arms_have_their_own_compare_label(tmp_path):
     """eval.py --compare puts a reuse run in an arm of its own, never in the `none` baseline."""
     import yaml
 
-    from eval import load_run
+    from compare import load_run
 
     cases = [(1, 0.0, "none", "none"), (2, 0.0, "none", "epochs2"), (4, 1.0, "none", "epochs4+gate"),
              (2, 0.0, "aper", "aper+epochs2")]
