@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from grpo import GRPOConfig
+from lora import LoraConfig
 from replay import ReplayConfig
 from rewards import RewardConfig
 from rollout import RolloutConfig
@@ -35,7 +36,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow model code from the model folder to run. Off: only architectures transformers ships."""
     compute_dtype: str = "float32"
-    """float32 | bfloat16: forward, backward and generation. Master weights and AdamW state are always float32."""
+    """float32 | bfloat16: forward, backward and generation. Master weights and AdamW state are always float32
+    (under LoRA the frozen base is held in this dtype)."""
     parallel: str = "ddp"
     """ddp | fsdp: how torchrun's processes share the model (FSDP2 shards weights, gradients and optimizer state)."""
     gradient_checkpointing: bool = False
@@ -44,13 +46,17 @@ class ModelConfig:
     """torch.compile the model for the training forward (generation stays eager; shapes vary, expect recompiles)."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. auto = cuda when available (the local rank's GPU under torchrun)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on a frozen base (lora.rank 0 = off: full fine-tuning)."""
 
     def check(self) -> dict[str, tuple[bool, str]]:
         cuda = self.device.startswith("cuda")
-        return {"compute_dtype": (self.compute_dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
-                "parallel": (self.parallel in ("ddp", "fsdp"), "ddp or fsdp"), "device": (
-                    (self.device in ("auto", "cpu") or cuda) and (not cuda or torch.cuda.is_available()),
-                    "auto, cpu or cuda[:N], and cuda needs a visible GPU")}
+        rules = {f"lora.{k}": rule for k, rule in self.lora.check().items()}
+        rules["compute_dtype"] = (self.compute_dtype in ("float32", "bfloat16"), "float32 or bfloat16")
+        rules["parallel"] = (self.parallel in ("ddp", "fsdp"), "ddp or fsdp")
+        device_ok = (self.device in ("auto", "cpu") or cuda) and (not cuda or torch.cuda.is_available())
+        rules["device"] = (device_ok, "auto, cpu or cuda[:N], and cuda needs a visible GPU")
+        return rules
 
 
 @dataclass

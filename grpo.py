@@ -518,7 +518,8 @@ def _optimizer_step(cfg, model, optimizer, sums: dict, hi: Tensor, lo: Tensor, a
         skipped = "gated"
     if skipped is None:
         optimizer.step()
-        shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        trained = [p for p in model.parameters() if p.requires_grad]  # a frozen base never changes
+        shards = [p.to_local() if isinstance(p, DTensor) else p for p in trained]
         if all_ranks(float(not all(bool(torch.isfinite(p).all()) for p in shards))):
             raise FloatingPointError("non-finite weights after the optimizer step")
     optimizer.zero_grad(set_to_none=True)

@@ -27,6 +27,8 @@ import transformers
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+import lora
+
 
 @dataclass
 class RolloutConfig:
@@ -155,20 +157,30 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     the training forward goes through (model, compiled, or DDP-wrapped). `compute` is the bf16 autocast context when
     bf16 compute is on without FSDP (FSDP casts through its mixed-precision policy: bf16 compute, float32 gradient
     reduction). `ref` is the frozen reference of the KL term (beta > 0), which may live in bf16: it never changes.
+    Under LoRA (lora.py) `model` is the peft-wrapped base from model.path, frozen in the compute dtype, with the
+    adapters of checkpoint `path` (fresh ones when `path` is model.path), and `ref` is it with adapters off.
     """
     bf16, fsdp = cfg.model.compute_dtype == "bfloat16", cfg.model.parallel == "fsdp" and world > 1
-    model, tokenizer = load_model(path, cfg.model.trust_remote_code, torch.float32)
+    adapted = cfg.model.lora.rank > 0
+    base_dtype = torch.bfloat16 if bf16 and adapted else torch.float32
+    model, tokenizer = load_model(cfg.model.path if adapted else path, cfg.model.trust_remote_code, base_dtype)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(model)
         model.config.use_cache = False
-    ref = load_model(cfg.model.path, cfg.model.trust_remote_code, torch.bfloat16 if bf16 else torch.float32)[0] \
-        if cfg.grpo.beta > 0 else None
+    ref = None
+    if cfg.grpo.beta > 0 and not adapted:
+        ref = load_model(cfg.model.path, cfg.model.trust_remote_code, torch.bfloat16 if bf16 else torch.float32)[0]
+    if adapted:
+        saved = path if Path(path, "adapter_config.json").is_file() else None
+        model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     for m in [model, ref] if ref is not None else [model]:
         if fsdp:
             [fully_shard(x, mp_policy=mp) for x in m.modules() if type(x).__name__ in (m._no_split_modules or [])]
         fully_shard(m, mp_policy=mp) if fsdp else m.to(device)
     ref.requires_grad_(False).eval() if ref is not None else None
+    if cfg.grpo.beta > 0 and adapted:
+        ref = lora.AdaptersOff(model)
     policy = torch.compile(model) if cfg.model.compile else model
     if world > 1 and not fsdp:  # buffers never change: forwards need no broadcast
         ids = None if device.index is None else [device.index]
@@ -186,16 +198,10 @@ def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> Non
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)
         dist.barrier() if dist.is_initialized() else None
-        weights = model.state_dict()
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            model.save_pretrained(tmp, state_dict=weights), tokenizer.save_pretrained(tmp)
+        write_weights(model, tokenizer, tmp, rank, state is None)
         torch.save(state, tmp / f"state_rank{rank}.pt") if state is not None else None
         own = [tmp / f"state_rank{rank}.pt"] if state is not None else []  # each rank syncs its own files: the
-        own += [f for f in tmp.iterdir() if not f.name.startswith("state_rank")] if rank == 0 else []  # others
+        own += [f for f in tmp.rglob("*") if not f.name.startswith("state_rank")] if rank == 0 else []  # others
         [fsync(f) for f in own]  # may still be writing theirs (and HF's temporary files come and go)
     except Exception as e:  # noqa: BLE001 -- reported below, on every rank
         error = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
@@ -209,6 +215,22 @@ def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> Non
         os.replace(tmp, folder), fsync(folder.parent)
     dist.barrier() if dist.is_initialized() else None
 
+
+def write_weights(model, tokenizer, folder: Path, rank: int, final: bool) -> None:
+    """The model folder's files (every rank calls it; rank 0 writes): float32 safetensors gathered from FSDP
+    shards and the tokenizer; under LoRA the adapters, and in final/ the merged model too (lora.save_adapted)."""
+    if lora.is_adapted(model):
+        lora.save_adapted(model, tokenizer, folder, rank, merged=final)
+        return
+    weights = model.state_dict()
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)
+    if rank == 0:
+        model.save_pretrained(folder, state_dict=weights)
+        tokenizer.save_pretrained(folder)
 
 
 def fsync(path: Path) -> None:
@@ -314,11 +336,12 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     before their end token."""
     counts = counts or [cfg.group_size] * len(prompts)
     expanded, rows, texts = [p for p, n in zip(prompts, counts) for _ in range(n)], [], []
-    was_training, own, device = model.training, model.generation_config, next(model.parameters()).device
+    was_training, device, hf = model.training, next(model.parameters()).device, lora.hf_model(model)
+    own = hf.generation_config  # (under LoRA, that of the transformers module inside peft's wrapper)
     gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=
                                cfg.max_new_tokens, eos_token_id=stop or None, pad_token_id=tokenizer.pad_token_id)
     model.eval()
-    model.generation_config, stop_t = GenerationConfig(), torch.tensor(stop, dtype=torch.long, device=device)
+    hf.generation_config, stop_t = GenerationConfig(), torch.tensor(stop, dtype=torch.long, device=device)
     try:  # (the empty config: nothing of the model's own fills what gen_cfg leaves unset)
         for start in range(0, len(expanded), cfg.gen_batch_size):
             chunk = expanded[start : start + cfg.gen_batch_size]
@@ -338,7 +361,7 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
                              entropy[b, : n[b]].mean().item()))
                 texts.append(tokenizer.decode(completion[b, : n[b] - ended], skip_special_tokens=True))
     finally:
-        model.generation_config = own
+        hf.generation_config = own
         model.train(was_training)
     group = (step * len(prompts) if group0 is None else group0) + torch.arange(len(prompts))
     idx, reps = torch.tensor(prompt_idx if prompt_idx is not None else range(len(prompts))), torch.tensor(counts)
