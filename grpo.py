@@ -291,7 +291,8 @@ def all_ranks(x, op=None):
 
 
 def _logprobs(model, mb, cfg, device, with_entropy=False):
-    share = not cfg.model.gradient_checkpointing and not (torch.is_grad_enabled() and isinstance(model, FSDPModule))
+    sharded = isinstance(next(model.parameters()), DTensor)  # FSDP (the root may sit inside a LoRA wrapper)
+    share = not cfg.model.gradient_checkpointing and not (torch.is_grad_enabled() and sharded)
     return completion_logprobs(model, mb.tokens.to(device), mb.prompt_len.to(device), mb.seq_len.to(device),
                                cfg.rollout.temperature, with_entropy, share_prompt=share)
 

@@ -70,6 +70,9 @@ class AdaptersOff:
     def __init__(self, model):
         self.model = model
 
+    def parameters(self):
+        return self.model.parameters()
+
     def __call__(self, **inputs):
         with self.model.disable_adapter():
             return self.model(**inputs)

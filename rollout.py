@@ -175,9 +175,12 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
         model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     for m in [model, ref] if ref is not None else [model]:
-        if fsdp:
-            [fully_shard(x, mp_policy=mp) for x in m.modules() if type(x).__name__ in (m._no_split_modules or [])]
-        fully_shard(m, mp_policy=mp) if fsdp else m.to(device)
+        root = lora.hf_model(m)  # under LoRA the module inside peft's wrapper: generate() calls it, not the wrapper
+        units = [x for x in root.modules() if type(x).__name__ in (root._no_split_modules or [])]
+        for x in units + [root] if fsdp else []:
+            fully_shard(x, mp_policy=mp)
+        if not fsdp:
+            m.to(device)
     ref.requires_grad_(False).eval() if ref is not None else None
     if cfg.grpo.beta > 0 and adapted:
         ref = lora.AdaptersOff(model)

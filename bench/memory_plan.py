@@ -55,6 +55,12 @@ class Shape:
         attn = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv) * self.qkv_bias
         return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
+    def lora_params(self, rank: int) -> int:
+        """Adapter parameters, rank r on every linear layer of each block: r · (fan-in + fan-out) each."""
+        q, kv, H, inter = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
+        fans = (H + q) + 2 * (H + kv) + (q + H) + 2 * (H + inter) + (inter + H)  # q, k, v, o, gate, up, down
+        return self.layers * rank * fans
+
     def params(self) -> int:
         return self.layers * self.layer_params() + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
@@ -69,26 +75,48 @@ SHAPES = {  # from the models' public config.json files
 
 
 def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: int, prompt: int, response: int,
-             checkpointing: bool = True, share_prompt: bool = False, act_bytes: int = 2, logprob_batch: int = 0
-             ) -> dict[str, float]:
-    """Bytes per GPU of each part (see the module docstring); `peak` is their sum as the phases add up."""
+             checkpointing: bool = True, share_prompt: bool = False, act_bytes: int = 2, logprob_batch: int = 0,
+             lora_rank: int = 0) -> dict[str, float]:
+    """Bytes per GPU of each part (see the module docstring); `peak` is their sum as the phases add up. With
+    lora_rank > 0 the base is frozen in the compute dtype and only the adapters (P_A) carry float32 weights,
+    gradients and AdamW state."""
     P, shard = s.params(), (gpus if fsdp else 1)
     T, b, a = prompt + response, micro_batch, act_bytes
     layer = b * T * (4 * s.hidden + 3 * (s.heads + 2 * s.kv_heads) * s.head_dim + 4 * s.intermediate) * a * 2
+    trained = s.lora_params(lora_rank) if lora_rank else P  # what has gradients and AdamW state
+    base = (a if lora_rank else 4) * P / shard  # a frozen base is held in the compute dtype
     parts = {
-        "weights": 4 * P / shard + (4 * s.layer_params() if fsdp else 0),
-        "gradients": 4 * P / shard,
-        "optimizer": 8 * P / shard,
+        "weights": base + (4 * trained / shard if lora_rank else 0) + (4 * s.layer_params() if fsdp else 0),
+        "gradients": 4 * trained / shard,
+        "optimizer": 8 * trained / shard,
         "activations": (s.layers * b * T * s.hidden * a + layer) if checkpointing else s.layers * layer / 2,
         "logits": b * (response if share_prompt else T) * s.vocab * (a + 12),
         "logprob_pass": logprob_batch * T * s.vocab * (a + 8) + logprob_batch * T * s.hidden * a * 8,
         "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2 + (2 * P if fsdp else 0),
-        "optimizer_step": 4 * P / shard,
+        "optimizer_step": 4 * trained / shard,
     }
     resident = parts["weights"] + parts["gradients"] + parts["optimizer"]
     parts["peak"] = resident + max(parts["activations"] + parts["logits"], parts["logprob_pass"], parts["generation"],
                                    parts["optimizer_step"])
     return parts
+
+
+PAPERS = Path(__file__).resolve().parents[1] / "configs" / "papers"
+
+
+def config_estimate(cfg, gpus: int, parallel: str) -> dict[str, float]:
+    """`estimate` for a config.Config run on `gpus` GPUs under model.parallel = `parallel`."""
+    o = cfg.optim
+    no_grad_rows = o.logprob_batch_size * (o.minibatches > 1 or cfg.grpo.beta > 0)
+    return estimate(SHAPES[cfg.model.path], gpus=gpus, fsdp=parallel == "fsdp" and gpus > 1,
+                    micro_batch=o.micro_batch_size, gen_batch=cfg.rollout.gen_batch_size,
+                    prompt=cfg.data.max_prompt_tokens, response=cfg.rollout.max_new_tokens,
+                    checkpointing=cfg.model.gradient_checkpointing, logprob_batch=no_grad_rows,
+                    lora_rank=cfg.model.lora.rank)
+
+
+def gb(e: dict, keys: tuple) -> str:
+    return " | ".join(f"{e[k] / GB:.1f}" for k in keys)
 
 
 def paper_table(budget_gb: float = 80) -> str:
@@ -97,35 +125,52 @@ def paper_table(budget_gb: float = 80) -> str:
     rows = [("| config | model (params) | GPUs | parallel | weights | grads | AdamW | activations | logits | "
              "no-grad pass | generation | peak per GPU | fits 80 GB |"),
             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for path in sorted((Path(__file__).resolve().parents[1] / "configs" / "papers").glob("*.yaml")):
-        if path.name == "gpu_base.yaml":
+    keys = ("weights", "gradients", "optimizer", "activations", "logits", "logprob_pass", "generation", "peak")
+    for path in sorted(PAPERS.glob("*.yaml")):
+        if path.name == "gpu_base.yaml" or path.stem.endswith("_lora"):
             continue
         cfg = load_config(str(path), [])
         s = SHAPES[cfg.model.path]
         for gpus in (1, 8):
             for parallel in ("ddp", "fsdp"):
-                gen = cfg.rollout.gen_batch_size
-                e = estimate(s, gpus=gpus, fsdp=parallel == "fsdp" and gpus > 1, micro_batch=cfg.optim.micro_batch_size,
-                             gen_batch=gen, prompt=cfg.data.max_prompt_tokens, response=cfg.rollout.max_new_tokens,
-                             checkpointing=cfg.model.gradient_checkpointing,
-                             logprob_batch=cfg.optim.logprob_batch_size * (cfg.optim.minibatches > 1 or cfg.grpo.beta > 0))
+                e = config_estimate(cfg, gpus, parallel)
                 mark = " ← config" if parallel == cfg.model.parallel and gpus == 8 else ""
-                cells = " | ".join(f"{e[k] / GB:.1f}" for k in ("weights", "gradients", "optimizer", "activations",
-                                                                  "logits", "logprob_pass", "generation", "peak"))
-                rows.append(f"| {path.stem}{mark} | {cfg.model.path} ({s.params() / 1e9:.2f} B) | {gpus} | {parallel} | "
-                            f"{cells} | {'yes' if e['peak'] < budget_gb * GB else 'no'} |")
+                fits = "yes" if e["peak"] < budget_gb * GB else "no"
+                rows.append(f"| {path.stem}{mark} | {cfg.model.path} ({s.params() / 1e9:.2f} B) | {gpus} | "
+                            f"{parallel} | {gb(e, keys)} | {fits} |")
     return "\n".join(rows)
 
 
-def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: int = 96) -> None:
+def lora_table() -> str:
+    """One GPU: each configs/papers/*_lora.yaml (its paper config with adapters on a frozen bf16 base)."""
+    from config import load_config
+
+    rows = [("| LoRA config (1 GPU) | model | rank | adapter params | base (bf16) | adapters + grads + AdamW | "
+             "activations | logits | no-grad pass | generation | peak | fits 80 GB | fits 141 GB |"),
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    keys = ("activations", "logits", "logprob_pass", "generation", "peak")
+    for path in sorted(PAPERS.glob("*_lora.yaml")):
+        cfg = load_config(str(path), [])
+        s, rank = SHAPES[cfg.model.path], cfg.model.lora.rank
+        e = config_estimate(cfg, 1, "ddp")
+        adapters = 16 * s.lora_params(rank)  # float32 weights, gradients, two AdamW moments
+        fits = ["yes" if e["peak"] < budget * GB else "no" for budget in (80, 141)]
+        rows.append(f"| {path.stem} | {cfg.model.path} | {rank} | {s.lora_params(rank) / 1e6:.1f} M | "
+                    f"{2 * s.params() / GB:.1f} | {adapters / GB:.2f} | {gb(e, keys)} | {' | '.join(fits)} |")
+    return "\n".join(rows)
+
+
+def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: int = 96, lora_rank: int = 0
+            ) -> None:
     """Train a random-init Qwen2.5-0.5B-shaped model (its real vocabulary size; random token ids, so no tokenizer is
     needed) for a few AdamW steps through grpo.update_policy on this CPU, float32 compute, gradient checkpointing on
     (so rows run whole, as under FSDP), and compare peak RSS with the formula's CPU figure plus the process's RSS
-    before the model existed."""
+    before the model existed. lora_rank > 0: adapters of that rank on every linear layer train instead."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     import grpo
+    import lora
     from config import Config
     from rollout import Rollouts, checkpoint_activations
 
@@ -138,11 +183,16 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
         max_position_embeddings=4096))
     checkpoint_activations(model)
     model.config.use_cache = False
+    if lora_rank:
+        model = lora.add_adapters(model, lora.LoraConfig(rank=lora_rank), seed=0)
     model.train()
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters (formula: {s.params() / 1e6:.1f} M)")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    n_all, n_trained = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trained)
+    print(f"{n_all / 1e6:.1f} M parameters (formula: {s.params() / 1e6:.1f} M + "
+          f"{s.lora_params(lora_rank) / 1e6:.1f} M of adapters); trained: {n_trained / 1e6:.1f} M")
     cfg = Config()
     cfg.model.gradient_checkpointing, cfg.optim.micro_batch_size = True, micro_batch
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = torch.optim.AdamW(trained, lr=1e-6)
     B, L = 2 * micro_batch, prompt + response
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
@@ -158,7 +208,7 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(f"step {step + 1}: {reasons[0] or 'ok'}, {time.time() - t0:.0f} s, peak RSS {peak / GB:.2f} GB")
     e = estimate(s, gpus=1, fsdp=False, micro_batch=micro_batch, gen_batch=0, prompt=prompt, response=response,
-                 act_bytes=4)
+                 act_bytes=4, lora_rank=lora_rank)
     expected = base + e["peak"]
     print(f"formula: {' + '.join(f'{k} {v / GB:.2f}' for k, v in e.items() if k != 'peak')} GB; "
           f"+ process before the model {base / GB:.2f} GB = {expected / GB:.2f} GB")
@@ -169,8 +219,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", action="store_true", help="run the CPU measurement instead of printing the table")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lora", type=int, default=0, help="--measure with LoRA adapters of this rank")
     a = ap.parse_args()
-    measure(a.steps) if a.measure else print(paper_table())
+    if a.measure:
+        measure(a.steps, lora_rank=a.lora)
+        return
+    print(paper_table())
+    print()
+    print(lora_table())
 
 
 if __name__ == "__main__":

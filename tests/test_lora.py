@@ -255,5 +255,28 @@ def test_lora_torchrun_first_update_equals_single_process(tmp_path, mode):
         assert 0 < int(changed.sum()) <= sum(p.numel() for p in trained(model)), "only adapter weights moved"
 
 
+def test_lora_torchrun_fsdp_train_with_kl_checkpoints_and_resumes(tmp_path):
+    """train.py under torchrun with FSDP2, LoRA and the KL term (reference = adapters off): the base is sharded,
+    checkpoints hold the gathered adapters, --resume continues, final/ holds the merged model and adapter/."""
+    from peft import PeftModel
+
+    out = tmp_path / "run"
+    args = ["train.py", *TINY, *LORA, "--model.parallel=fsdp", "--grpo.beta=0.05", "--checkpoint.every=1",
+            "--rollout.max_new_tokens=16", f"--out_dir={out}"]
+    torchrun(*args, "--max_steps=2")
+    ck = out / "checkpoints" / "step_000002"
+    layers = json.loads((MODEL / "config.json").read_text())["num_hidden_layers"]
+    assert len(load_file(ck / "adapter_model.safetensors")) == 2 * 7 * layers, "A, B of 7 linears a block"
+    torchrun(*args, "--max_steps=3", "--resume")
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["kl_ref"] > 0
+    merged = AutoModelForCausalLM.from_pretrained(out / "final")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), out / "final" / "adapter")
+    tokens = synthetic_batch(merged.config.vocab_size).tokens
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=tokens).logits, adapted(input_ids=tokens).logits,
+                                   atol=1e-5, rtol=0)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(*sys.argv[2:4])
