@@ -36,8 +36,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow model code from the model folder to run. Off: only architectures transformers ships."""
     compute_dtype: str = "float32"
-    """float32 | bfloat16: forward, backward and generation. Master weights and AdamW state are always float32
-    (under LoRA the frozen base is held in this dtype)."""
+    """float32 | bfloat16: forward, backward and generation. Master weights and AdamW state are
+    always float32 (under LoRA the frozen base is held in this dtype)."""
     parallel: str = "ddp"
     """ddp | fsdp: how torchrun's processes share the model (FSDP2 shards weights, gradients and optimizer state)."""
     gradient_checkpointing: bool = False
@@ -52,9 +52,11 @@ class ModelConfig:
     def check(self) -> dict[str, tuple[bool, str]]:
         cuda = self.device.startswith("cuda")
         rules = {f"lora.{k}": rule for k, rule in self.lora.check().items()}
-        rules["compute_dtype"] = (self.compute_dtype in ("float32", "bfloat16"), "float32 or bfloat16")
+        dtype_ok = self.compute_dtype in ("float32", "bfloat16")
+        rules["compute_dtype"] = (dtype_ok, "float32 or bfloat16")
         rules["parallel"] = (self.parallel in ("ddp", "fsdp"), "ddp or fsdp")
-        device_ok = (self.device in ("auto", "cpu") or cuda) and (not cuda or torch.cuda.is_available())
+        named_ok = self.device in ("auto", "cpu") or cuda
+        device_ok = named_ok and (not cuda or torch.cuda.is_available())
         rules["device"] = (device_ok, "auto, cpu or cuda[:N], and cuda needs a visible GPU")
         return rules
 

@@ -67,7 +67,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -291,7 +290,7 @@ def all_ranks(x, op=None):
 
 
 def _logprobs(model, mb, cfg, device, with_entropy=False):
-    sharded = isinstance(next(model.parameters()), DTensor)  # FSDP (the root may sit inside a LoRA wrapper)
+    sharded = isinstance(next(model.parameters()), DTensor)  # FSDP (the root may be inside peft's)
     share = not cfg.model.gradient_checkpointing and not (torch.is_grad_enabled() and sharded)
     return completion_logprobs(model, mb.tokens.to(device), mb.prompt_len.to(device), mb.seq_len.to(device),
                                cfg.rollout.temperature, with_entropy, share_prompt=share)

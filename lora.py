@@ -1,9 +1,10 @@
-"""LoRA adapters on a frozen base (model.lora.rank > 0), through peft, which is imported only then.
+"""LoRA adapters on a frozen base (model.lora.rank > 0), through peft, imported only then.
 
-The base weights stay in the compute dtype and never get gradients or optimizer state; the adapters (A, B per
-targeted linear layer, W x + alpha/r · B A x) and their AdamW state are float32. B starts at 0, so the adapted model
-starts as the base. The KL reference is the same module with its adapters switched off (`AdaptersOff`), not a
-second copy. Checkpoints hold the adapters alone; final/ holds the merged model and the adapter folder (`adapter/`).
+The base weights stay in the compute dtype and never get gradients or optimizer state; the
+adapters (A, B per targeted linear layer: W x + alpha/r · B A x) and their AdamW state are
+float32. B starts at 0, so the adapted model starts as the base. The KL reference is the same
+module with its adapters switched off (`AdaptersOff`), not a second copy. Checkpoints hold the
+adapters alone; final/ holds the merged model and the adapter folder (final/adapter).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ class LoraConfig:
     alpha: float = 32.0
     """The adapter's output is scaled by alpha / rank."""
     dropout: float = 0.0
-    """Dropout on the adapters' input in training forwards (generation and no-grad passes run without it)."""
+    """Dropout on the adapters' input in training forwards (none in generation, no-grad passes)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Layers that get adapters: all-linear (every linear layer but the LM head) or names (q_proj,v_proj)."""
+    """Layers with adapters: all-linear (all but the LM head) or names like q_proj,v_proj."""
 
     def check(self) -> dict[str, tuple[bool, str]]:
         return {"rank": (self.rank >= 0, "≥ 0 (0 = off)"), "alpha": (self.alpha > 0, "> 0"),
@@ -35,8 +36,8 @@ class LoraConfig:
 
 
 def add_adapters(model, cfg: LoraConfig, seed: int, saved: str | None = None):
-    """`model` (frozen from here on) wrapped by peft with float32 adapters: those saved in folder `saved`, else
-    fresh ones whose random A is drawn from `seed` alone, so every rank of a torchrun starts with the same."""
+    """`model` (frozen from here on) wrapped by peft with float32 adapters: those saved in folder
+    `saved`, else fresh ones whose random A comes from `seed` alone (the same on every rank)."""
     import peft
     from safetensors.torch import load_file
 
@@ -50,7 +51,7 @@ def add_adapters(model, cfg: LoraConfig, seed: int, saved: str | None = None):
         weights = load_file(Path(saved) / "adapter_model.safetensors")
         result = peft.set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
         if result.unexpected_keys or len(weights) != len(adapter_weights(model)):
-            raise ValueError(f"{saved}: its adapters do not fit model.lora's rank and target_modules")
+            raise ValueError(f"{saved}: its adapters do not fit model.lora (rank, target_modules)")
     return model
 
 
@@ -64,8 +65,8 @@ def hf_model(model):
 
 
 class AdaptersOff:
-    """The KL reference under LoRA: the policy's own module with its adapters switched off, which is the frozen
-    base exactly (no second copy of the model is loaded)."""
+    """The KL reference under LoRA: the policy's own module with its adapters switched off, which
+    is exactly the frozen base (no second copy of the model is loaded)."""
 
     def __init__(self, model):
         self.model = model
@@ -79,12 +80,12 @@ class AdaptersOff:
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP shard (a collective: every rank calls it); other tensors as they are."""
+    """The full tensor of an FSDP shard (a collective: every rank calls it); others as they are."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def adapter_weights(model) -> dict[str, torch.Tensor]:
-    """{name: whole float32 tensor on the CPU} of the adapters, named as peft's save_pretrained expects."""
+    """{name: whole float32 tensor on the CPU} of the adapters, named as peft's save expects."""
     out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -93,12 +94,13 @@ def adapter_weights(model) -> dict[str, torch.Tensor]:
 
 
 def merged_weights(model):
-    """Yields (name, tensor) of every weight of the adapted model with its adapters merged in (W + alpha/r · B A,
-    summed in float32, in the base's dtype), named as in the base model's own folder, one tensor at a time: no
-    second copy of the model is held (a weight sync to an inference engine, final/). Under FSDP every rank must run
-    the whole iteration, as each weight is gathered in turn."""
+    """Yields (name, tensor) of every weight of the adapted model with its adapters merged in
+    (W + alpha/r · B A, summed in float32, in the base's dtype), named as in the base model's own
+    folder, one tensor at a time: no second copy of the model is held (an inference engine's
+    weight sync, final/). Under FSDP every rank must run the whole iteration: each weight is
+    gathered in turn."""
     base = hf_model(model)
-    layers = {name: m for name, m in base.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A}
+    layers = {n: m for n, m in base.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A}
     for key, value in base.state_dict().items():
         if ".lora_" in key:
             continue
@@ -106,15 +108,17 @@ def merged_weights(model):
         tensor = whole(value.detach())
         if owner and leaf == "weight":
             m = layers[owner]
-            a, b = whole(m.lora_A[ADAPTER].weight.detach()), whole(m.lora_B[ADAPTER].weight.detach())
-            delta = m.scaling[ADAPTER] * (b.float() @ a.float())  # (out, r) @ (r, in)
+            a = whole(m.lora_A[ADAPTER].weight.detach())  # (r, in)
+            b = whole(m.lora_B[ADAPTER].weight.detach())  # (out, r)
+            delta = m.scaling[ADAPTER] * (b.float() @ a.float())  # (out, in)
             tensor = (tensor.float() + delta).to(tensor.dtype)
         yield (f"{owner}.{leaf}" if owner else key), tensor
 
 
 def save_adapted(model, tokenizer, folder: Path, rank: int, merged: bool) -> None:
-    """Write the adapter folder into `folder` (a checkpoint), or with `merged` the merged model into `folder` and
-    the adapter folder into folder/adapter (final/). Every rank calls it; rank 0 writes."""
+    """Write the adapter folder into `folder` (a checkpoint), or with `merged` the merged model
+    into `folder` and the adapter folder into folder/adapter (final/). Every rank calls it; rank 0
+    writes."""
     adapters = adapter_weights(model)
     if rank == 0:
         model.save_pretrained(folder / "adapter" if merged else folder, state_dict=adapters)

@@ -157,25 +157,27 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     the training forward goes through (model, compiled, or DDP-wrapped). `compute` is the bf16 autocast context when
     bf16 compute is on without FSDP (FSDP casts through its mixed-precision policy: bf16 compute, float32 gradient
     reduction). `ref` is the frozen reference of the KL term (beta > 0), which may live in bf16: it never changes.
-    Under LoRA (lora.py) `model` is the peft-wrapped base from model.path, frozen in the compute dtype, with the
-    adapters of checkpoint `path` (fresh ones when `path` is model.path), and `ref` is it with adapters off.
+    Under LoRA (lora.py) `model` is the peft-wrapped base from model.path, frozen in the compute
+    dtype, with the adapters of checkpoint `path` (fresh ones when `path` has none), and `ref` is
+    `model` with its adapters off.
     """
     bf16, fsdp = cfg.model.compute_dtype == "bfloat16", cfg.model.parallel == "fsdp" and world > 1
     adapted = cfg.model.lora.rank > 0
     base_dtype = torch.bfloat16 if bf16 and adapted else torch.float32
-    model, tokenizer = load_model(cfg.model.path if adapted else path, cfg.model.trust_remote_code, base_dtype)
+    trust = cfg.model.trust_remote_code
+    model, tokenizer = load_model(cfg.model.path if adapted else path, trust, base_dtype)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(model)
         model.config.use_cache = False
     ref = None
     if cfg.grpo.beta > 0 and not adapted:
-        ref = load_model(cfg.model.path, cfg.model.trust_remote_code, torch.bfloat16 if bf16 else torch.float32)[0]
+        ref = load_model(cfg.model.path, trust, torch.bfloat16 if bf16 else torch.float32)[0]
     if adapted:
         saved = path if Path(path, "adapter_config.json").is_file() else None
         model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     for m in [model, ref] if ref is not None else [model]:
-        root = lora.hf_model(m)  # under LoRA the module inside peft's wrapper: generate() calls it, not the wrapper
+        root = lora.hf_model(m)  # under LoRA the module inside peft's wrapper: generate() calls it
         units = [x for x in root.modules() if type(x).__name__ in (root._no_split_modules or [])]
         for x in units + [root] if fsdp else []:
             fully_shard(x, mp_policy=mp)
@@ -204,7 +206,8 @@ def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> Non
         write_weights(model, tokenizer, tmp, rank, state is None)
         torch.save(state, tmp / f"state_rank{rank}.pt") if state is not None else None
         own = [tmp / f"state_rank{rank}.pt"] if state is not None else []  # each rank syncs its own files: the
-        own += [f for f in tmp.rglob("*") if not f.name.startswith("state_rank")] if rank == 0 else []  # others
+        written = [f for f in tmp.rglob("*") if not f.name.startswith("state_rank")]  # the others
+        own += written if rank == 0 else []
         [fsync(f) for f in own]  # may still be writing theirs (and HF's temporary files come and go)
     except Exception as e:  # noqa: BLE001 -- reported below, on every rank
         error = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
@@ -220,8 +223,9 @@ def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> Non
 
 
 def write_weights(model, tokenizer, folder: Path, rank: int, final: bool) -> None:
-    """The model folder's files (every rank calls it; rank 0 writes): float32 safetensors gathered from FSDP
-    shards and the tokenizer; under LoRA the adapters, and in final/ the merged model too (lora.save_adapted)."""
+    """The model folder's files (every rank calls it; rank 0 writes): float32 safetensors gathered
+    from FSDP shards and the tokenizer; under LoRA the adapters, and in final/ the merged model too
+    (lora.save_adapted)."""
     if lora.is_adapted(model):
         lora.save_adapted(model, tokenizer, folder, rank, merged=final)
         return
@@ -340,11 +344,12 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     counts = counts or [cfg.group_size] * len(prompts)
     expanded, rows, texts = [p for p, n in zip(prompts, counts) for _ in range(n)], [], []
     was_training, device, hf = model.training, next(model.parameters()).device, lora.hf_model(model)
-    own = hf.generation_config  # (under LoRA, that of the transformers module inside peft's wrapper)
+    own = hf.generation_config  # (under LoRA, the transformers module's inside peft's wrapper)
     gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=
                                cfg.max_new_tokens, eos_token_id=stop or None, pad_token_id=tokenizer.pad_token_id)
     model.eval()
-    hf.generation_config, stop_t = GenerationConfig(), torch.tensor(stop, dtype=torch.long, device=device)
+    hf.generation_config = GenerationConfig()
+    stop_t = torch.tensor(stop, dtype=torch.long, device=device)
     try:  # (the empty config: nothing of the model's own fills what gen_cfg leaves unset)
         for start in range(0, len(expanded), cfg.gen_batch_size):
             chunk = expanded[start : start + cfg.gen_batch_size]

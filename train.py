@@ -342,7 +342,8 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     if rank == 0 and dropped + eval_dropped:
         print(f"note: dropped {dropped} training and {eval_dropped} eval prompts over {limit} tokens", file=sys.stderr)
     trained = [p for p in model.parameters() if p.requires_grad]  # under LoRA, the adapters alone
-    optimizer = torch.optim.AdamW(trained, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+    betas = (cfg.optim.beta1, cfg.optim.beta2)
+    optimizer = torch.optim.AdamW(trained, lr=cfg.optim.lr, betas=betas,
                                   weight_decay=cfg.optim.weight_decay)
     max_len = max(map(len, prompts)) + cfg.rollout.max_new_tokens
     replay = make_replay(cfg.replay, max_len, tokenizer.pad_token_id, cfg.seed + rank)

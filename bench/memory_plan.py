@@ -56,9 +56,11 @@ class Shape:
         return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
     def lora_params(self, rank: int) -> int:
-        """Adapter parameters, rank r on every linear layer of each block: r · (fan-in + fan-out) each."""
-        q, kv, H, inter = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
-        fans = (H + q) + 2 * (H + kv) + (q + H) + 2 * (H + inter) + (inter + H)  # q, k, v, o, gate, up, down
+        """Adapter parameters at rank r on every linear layer of a block: r · (fan-in + fan-out)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        H, inter = self.hidden, self.intermediate
+        # q, k, v, o, gate, up, down
+        fans = (H + q) + 2 * (H + kv) + (q + H) + 2 * (H + inter) + (inter + H)
         return self.layers * rank * fans
 
     def params(self) -> int:
@@ -75,18 +77,19 @@ SHAPES = {  # from the models' public config.json files
 
 
 def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: int, prompt: int, response: int,
-             checkpointing: bool = True, share_prompt: bool = False, act_bytes: int = 2, logprob_batch: int = 0,
-             lora_rank: int = 0) -> dict[str, float]:
-    """Bytes per GPU of each part (see the module docstring); `peak` is their sum as the phases add up. With
-    lora_rank > 0 the base is frozen in the compute dtype and only the adapters (P_A) carry float32 weights,
-    gradients and AdamW state."""
+             checkpointing: bool = True, share_prompt: bool = False, act_bytes: int = 2,
+             logprob_batch: int = 0, lora_rank: int = 0) -> dict[str, float]:
+    """Bytes per GPU of each part (see the module docstring); `peak` is their sum as the phases add
+    up. With lora_rank > 0 the base is frozen in the compute dtype and only the adapters (P_A)
+    carry float32 weights, gradients and AdamW state."""
     P, shard = s.params(), (gpus if fsdp else 1)
     T, b, a = prompt + response, micro_batch, act_bytes
     layer = b * T * (4 * s.hidden + 3 * (s.heads + 2 * s.kv_heads) * s.head_dim + 4 * s.intermediate) * a * 2
     trained = s.lora_params(lora_rank) if lora_rank else P  # what has gradients and AdamW state
     base = (a if lora_rank else 4) * P / shard  # a frozen base is held in the compute dtype
     parts = {
-        "weights": base + (4 * trained / shard if lora_rank else 0) + (4 * s.layer_params() if fsdp else 0),
+        "weights": base + (4 * trained / shard if lora_rank else 0)
+        + (4 * s.layer_params() if fsdp else 0),
         "gradients": 4 * trained / shard,
         "optimizer": 8 * trained / shard,
         "activations": (s.layers * b * T * s.hidden * a + layer) if checkpointing else s.layers * layer / 2,
@@ -125,7 +128,8 @@ def paper_table(budget_gb: float = 80) -> str:
     rows = [("| config | model (params) | GPUs | parallel | weights | grads | AdamW | activations | logits | "
              "no-grad pass | generation | peak per GPU | fits 80 GB |"),
             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    keys = ("weights", "gradients", "optimizer", "activations", "logits", "logprob_pass", "generation", "peak")
+    keys = ("weights", "gradients", "optimizer", "activations", "logits", "logprob_pass",
+            "generation", "peak")
     for path in sorted(PAPERS.glob("*.yaml")):
         if path.name == "gpu_base.yaml" or path.stem.endswith("_lora"):
             continue
@@ -136,17 +140,19 @@ def paper_table(budget_gb: float = 80) -> str:
                 e = config_estimate(cfg, gpus, parallel)
                 mark = " ← config" if parallel == cfg.model.parallel and gpus == 8 else ""
                 fits = "yes" if e["peak"] < budget_gb * GB else "no"
-                rows.append(f"| {path.stem}{mark} | {cfg.model.path} ({s.params() / 1e9:.2f} B) | {gpus} | "
-                            f"{parallel} | {gb(e, keys)} | {fits} |")
+                model = f"{cfg.model.path} ({s.params() / 1e9:.2f} B)"
+                cells = [f"{path.stem}{mark}", model, str(gpus), parallel, gb(e, keys), fits]
+                rows.append(f"| {' | '.join(cells)} |")
     return "\n".join(rows)
 
 
 def lora_table() -> str:
-    """One GPU: each configs/papers/*_lora.yaml (its paper config with adapters on a frozen bf16 base)."""
+    """One GPU: each configs/papers/*_lora.yaml (its paper config, adapters on a bf16 base)."""
     from config import load_config
 
-    rows = [("| LoRA config (1 GPU) | model | rank | adapter params | base (bf16) | adapters + grads + AdamW | "
-             "activations | logits | no-grad pass | generation | peak | fits 80 GB | fits 141 GB |"),
+    rows = [("| LoRA config (1 GPU) | model | rank | adapter params | base (bf16) | "
+             "adapters + grads + AdamW | activations | logits | no-grad pass | generation | peak | "
+             "fits 80 GB | fits 141 GB |"),
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     keys = ("activations", "logits", "logprob_pass", "generation", "peak")
     for path in sorted(PAPERS.glob("*_lora.yaml")):
@@ -155,17 +161,19 @@ def lora_table() -> str:
         e = config_estimate(cfg, 1, "ddp")
         adapters = 16 * s.lora_params(rank)  # float32 weights, gradients, two AdamW moments
         fits = ["yes" if e["peak"] < budget * GB else "no" for budget in (80, 141)]
-        rows.append(f"| {path.stem} | {cfg.model.path} | {rank} | {s.lora_params(rank) / 1e6:.1f} M | "
-                    f"{2 * s.params() / GB:.1f} | {adapters / GB:.2f} | {gb(e, keys)} | {' | '.join(fits)} |")
+        cells = [path.stem, cfg.model.path, str(rank), f"{s.lora_params(rank) / 1e6:.1f} M",
+                 f"{2 * s.params() / GB:.1f}", f"{adapters / GB:.2f}", gb(e, keys), *fits]
+        rows.append(f"| {' | '.join(cells)} |")
     return "\n".join(rows)
 
 
-def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: int = 96, lora_rank: int = 0
-            ) -> None:
+def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: int = 96,
+            lora_rank: int = 0) -> None:
     """Train a random-init Qwen2.5-0.5B-shaped model (its real vocabulary size; random token ids, so no tokenizer is
     needed) for a few AdamW steps through grpo.update_policy on this CPU, float32 compute, gradient checkpointing on
     (so rows run whole, as under FSDP), and compare peak RSS with the formula's CPU figure plus the process's RSS
-    before the model existed. lora_rank > 0: adapters of that rank on every linear layer train instead."""
+    before the model existed. lora_rank > 0: adapters of that rank on every linear layer train
+    instead."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 

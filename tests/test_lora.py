@@ -1,8 +1,9 @@
-"""LoRA (model.lora.rank > 0): only the adapters train, the base never changes, the KL reference is the base,
-final/ holds a merged model with the adapted model's logits and an adapter folder peft loads, a killed run resumes
-bit-identically, and torchrun (ddp, fsdp) applies the single-process update.
+"""LoRA (model.lora.rank > 0): only the adapters train, the base never changes, the KL reference
+is the base, final/ holds a merged model with the adapted model's logits and an adapter folder
+peft loads, a killed run resumes bit-identically, torchrun (ddp, fsdp) applies the single-process
+update, and every replay strategy runs.
 
-  python -m pytest tests/test_lora.py -q          # ~3 min on 2 CPU cores; the embedded tiny model (Qwen2, 0.8 M)
+  python -m pytest tests/test_lora.py -q     # ~8 min on 2 CPU cores; the embedded tiny model
 """
 
 import json
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_reliability import ENV, STEPS, TINY, assert_same_run, metrics, run_train, wait_for_step
+from test_scale import LOSS_AGGS, one_update, shard, synthetic_batch, torchrun, update_cfg
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -21,14 +24,12 @@ import grpo
 import lora
 from config import Config
 from rollout import load_policy
-from test_reliability import ENV, STEPS, TINY, assert_same_run, metrics, run_train, wait_for_step
-from test_scale import LOSS_AGGS, one_update, shard, synthetic_batch, torchrun, update_cfg
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"
 LORA = ["--model.lora.rank=8", "--optim.lr=2e-3"]
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="data/tiny_model not built")
+pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="no data/tiny_model")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,9 +50,9 @@ def trained(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def train_steps(model, cfg: Config, steps: int, lr: float = 1e-2, ref=None) -> list[set[int]]:
-    """`steps` AdamW updates of the adapters on synthetic batches; returns, per step, the ids of the parameters
-    that held a gradient when the optimizer stepped."""
+def train_steps(model, cfg: Config, steps: int, lr: float = 1e-2, ref=None) -> tuple:
+    """`steps` AdamW updates of the adapters on synthetic batches; returns the optimizer and, per
+    step, the ids of the parameters that held a gradient when the optimizer stepped."""
     opt = torch.optim.AdamW(trained(model), lr=lr)
     seen, step = [], opt.step
 
@@ -76,19 +77,20 @@ def base_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ in one process
+# ---------------------------------------------------------------------------------- in one process
 
 
 def test_lora_only_adapters_get_gradients_and_optimizer_state():
     cfg = lora_cfg()
     model, *_ = load_policy(cfg, str(MODEL), CPU, 1)
-    adapters = {id(p) for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    named = model.named_parameters()
+    adapters = {id(p) for n, p in named if ".lora_A." in n or ".lora_B." in n}
     assert adapters == {id(p) for p in trained(model)} and len(adapters) > 0
     assert all(p.dtype == torch.float32 for p in trained(model))
     seen, opt = train_steps(model, cfg, 2)
     assert seen == [adapters, adapters], "gradients reach the adapters and nothing else"
     assert {id(p) for p in opt.state} == adapters
-    assert all(bool(s["exp_avg_sq"].sum() > 0) for s in opt.state.values()), "A and B have both moved"
+    assert all(bool(s["exp_avg_sq"].sum() > 0) for s in opt.state.values()), "A and B both moved"
     n_adapter = sum(p.numel() for p in trained(model))
     n_all = sum(p.numel() for p in model.parameters())
     assert n_adapter < 0.2 * n_all
@@ -102,15 +104,17 @@ def test_lora_base_weights_bit_identical_after_training():
     assert all(torch.equal(before[k], original[k]) for k in original)
     adapters = [p.detach().clone() for p in trained(model)]
     train_steps(model, cfg, 3)
-    assert any(not torch.equal(a, p) for a, p in zip(adapters, trained(model))), "the adapters trained"
+    moved = [not torch.equal(a, p) for a, p in zip(adapters, trained(model))]
+    assert any(moved), "the adapters trained"
     after = base_weights(model)
     assert after.keys() == before.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_lora_reference_logprobs_are_the_base_models():
-    """beta > 0: the reference is the policy with adapters off (no second model): after training, its log-probs
-    equal those of the base model loaded on its own, bit for bit, while the adapted policy's differ."""
+    """beta > 0: the reference is the policy with adapters off (no second model): after training,
+    its log-probs equal those of the base model loaded on its own, bit for bit, while the adapted
+    policy's differ."""
     cfg = lora_cfg(beta=0.1)
     model, _, _, ref, _ = load_policy(cfg, str(MODEL), CPU, 1)
     assert isinstance(ref, lora.AdaptersOff) and ref.model is model
@@ -126,9 +130,10 @@ def test_lora_reference_logprobs_are_the_base_models():
 
 
 def test_lora_merged_weights_give_the_adapted_logits():
-    """lora.merged_weights (one tensor at a time: what an inference engine's weight sync reads) loaded into a
-    plain model gives the adapted model's logits in float32 within 1e-5 + 1e-5·|logit|: W x + s·B(A x) and
-    (W + s·B A) x round differently (measured: 1.8e-5 at |logit| 7.7 after these large steps, 2 ulp per layer)."""
+    """lora.merged_weights (one tensor at a time: what an inference engine's weight sync reads)
+    loaded into a plain model gives the adapted model's logits in float32 within
+    1e-5 + 1e-5·|logit|: W x + s·B(A x) and (W + s·B A) x round differently (measured: 1.8e-5 at
+    |logit| 7.7 after these large AdamW steps on random tokens)."""
     cfg = lora_cfg()
     model, *_ = load_policy(cfg, str(MODEL), CPU, 1)
     train_steps(model, cfg, 2)
@@ -139,84 +144,95 @@ def test_lora_merged_weights_give_the_adapted_logits():
     plain.load_state_dict(merged)
     tokens = synthetic_batch(model.config.vocab_size).tokens
     with torch.no_grad():
-        torch.testing.assert_close(plain(input_ids=tokens).logits, model(input_ids=tokens).logits,
-                                   atol=1e-5, rtol=1e-5)
+        a, b = plain(input_ids=tokens).logits, model(input_ids=tokens).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------------ train.py
+# ---------------------------------------------------------------------------------------- train.py
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> Path:
-    """The uninterrupted LoRA run (uniform replay, checkpoints every 2 steps) the resume test reproduces."""
+    """The uninterrupted LoRA run (uniform replay, checkpoint every 2 steps) resumes reproduce."""
     out = tmp_path_factory.mktemp("lora") / "run"
     r = run_train(out, *LORA)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert metrics(out)[1]["skipped/zero_adv"] < 2, "an optimizer step before the step-2 checkpoint"
+    assert metrics(out)[1]["skipped/zero_adv"] < 2, "an update before the step-2 checkpoint"
     return out
 
 
 def test_lora_checkpoints_hold_the_adapters_alone(lora_run):
-    ck = sorted((lora_run / "checkpoints").glob("step_*"))[-1]
+    ck = max((lora_run / "checkpoints").glob("step_*"))
     assert (ck / "adapter_model.safetensors").is_file() and not (ck / "model.safetensors").exists()
     saved = load_file(ck / "adapter_model.safetensors")
-    assert saved and all(".lora_" in k and v.dtype == torch.float32 for k, v in saved.items())
+    assert saved and all(".lora_" in k for k in saved)
+    assert all(v.dtype == torch.float32 for v in saved.values())
     state = torch.load(ck / "state_rank0.pt", weights_only=True)
     assert len(state["optimizer"]["state"]) == len(saved), "AdamW state for the adapters alone"
 
 
 def test_lora_final_merged_model_logits_equal_the_adapted_models(lora_run):
-    """final/ loads with AutoModelForCausalLM (adapters merged) and final/adapter with PeftModel.from_pretrained
-    on the base; their logits agree within 1e-5 (float32), and the adapters did train."""
+    """final/ loads with AutoModelForCausalLM (adapters merged) and final/adapter with
+    PeftModel.from_pretrained on the base; their logits agree within 1e-5 (float32), and the
+    adapters did train."""
     from peft import PeftModel
 
     final = lora_run / "final"
     merged = AutoModelForCausalLM.from_pretrained(final)
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), final / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(MODEL)
+    adapted = PeftModel.from_pretrained(base, final / "adapter")
     tokens = synthetic_batch(merged.config.vocab_size).tokens
     with torch.no_grad():
         a, b = merged(input_ids=tokens).logits, adapted(input_ids=tokens).logits
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    base = AutoModelForCausalLM.from_pretrained(MODEL)
     with torch.no_grad():
-        assert (base(input_ids=tokens).logits - a).abs().max() > 1e-3, "the run moved the policy"
+        original = AutoModelForCausalLM.from_pretrained(MODEL)(input_ids=tokens).logits
+    assert (original - a).abs().max() > 1e-3, "the run moved the policy"
 
 
 def test_lora_sigkill_then_resume_is_bit_identical(lora_run, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", *TINY, *LORA, f"--out_dir={out}", f"--max_steps={STEPS}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, **quiet)
     if wait_for_step(proc, out / "metrics.jsonl", 3):
         proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before it could be killed"
     r = run_train(out, *LORA, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stderr
-    assert_same_run(lora_run, out)  # metrics, summary, final/model.safetensors (merged)
+    assert_same_run(lora_run, out)  # metrics, summary and final/model.safetensors (merged)
     a = load_file(lora_run / "final" / "adapter" / "adapter_model.safetensors")
     b = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+SMALL = ["--max_steps=2", "--rollout.batch_size=32", "--rollout.max_new_tokens=24",
+         "--eval.every=0", "--eval.n=8", "--eval.k=1", "--checkpoint.every=0", "--threads=1",
+         "--wandb.mode=disabled", "--replay.tau_max=1", "--replay.exgrpo_min_solve=0",
+         "--reward.no_answer=-1"]
+
+
 @pytest.mark.parametrize("name", ["none", "uniform", "aper", "rlep", "exgrpo", "group", "dynamic"])
 def test_lora_runs_with_every_replay_strategy(tmp_path, name):
+    """configs/tiny/<name>.yaml (each replay strategy, and dynamic sampling) with LoRA: 2 steps."""
     out = tmp_path / name
-    cmd = [sys.executable, "train.py", "--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}",
-           "--max_steps=2", "--rollout.batch_size=32", "--rollout.max_new_tokens=24", "--eval.every=0",
-           "--eval.n=8", "--eval.k=1", "--checkpoint.every=0", "--threads=1", "--wandb.mode=disabled",
-           "--replay.tau_max=1", "--replay.exgrpo_min_solve=0", "--reward.no_answer=-1", *LORA]
-    p = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600, check=False)
+    config = ["--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}"]
+    cmd = [sys.executable, "train.py", *config, *SMALL, *LORA]
+    p = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
+                       check=False)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert len(metrics(out)) == 2 and (out / "final" / "adapter" / "adapter_config.json").is_file()
+    assert len(metrics(out)) == 2
+    assert (out / "final" / "adapter" / "adapter_config.json").is_file()
 
 
-# ------------------------------------------------------------------------------------------------ torchrun
+# ---------------------------------------------------------------------------------------- torchrun
 
 
 def worker(mode: str, out: str) -> None:
-    """Under torchrun: each rank runs grpo.update_policy on its shard of the synthetic batch with the LoRA model
-    wrapped as train.py wraps it (DDP, or FSDP2 with the frozen base sharded too) and writes the loss and the
-    applied update (SGD at lr 1, full weights gathered)."""
+    """Under torchrun: each rank runs grpo.update_policy on its shard of the synthetic batch with
+    the LoRA model wrapped as train.py wraps it (DDP, or FSDP2 with the frozen base sharded too)
+    and writes the loss and the applied update (SGD at lr 1, full weights gathered)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -247,35 +263,39 @@ def test_lora_torchrun_first_update_equals_single_process(tmp_path, mode):
         model, *_ = load_policy(cfg, str(MODEL), CPU, 1)
         batch = synthetic_batch(model.config.vocab_size)
         loss, grad, _ = one_update(model, model, batch, cfg)
-        for r in ranks:  # both ranks applied the same update: the global batch's, to the adapters alone
+        for r in ranks:  # both ranks applied the same update: the global batch's
             assert r[agg]["loss"] == pytest.approx(loss, abs=1e-5), agg
             torch.testing.assert_close(torch.tensor(r[agg]["grad"]), grad, atol=1e-5, rtol=0)
         assert grad.abs().max() > 1e-3
         changed = grad.ne(0)
-        assert 0 < int(changed.sum()) <= sum(p.numel() for p in trained(model)), "only adapter weights moved"
+        n_adapter = sum(p.numel() for p in trained(model))
+        assert 0 < int(changed.sum()) <= n_adapter, "only adapter weights moved"
 
 
 def test_lora_torchrun_fsdp_train_with_kl_checkpoints_and_resumes(tmp_path):
-    """train.py under torchrun with FSDP2, LoRA and the KL term (reference = adapters off): the base is sharded,
-    checkpoints hold the gathered adapters, --resume continues, final/ holds the merged model and adapter/."""
+    """train.py under torchrun with FSDP2, LoRA and the KL term (reference = adapters off): the
+    base is sharded, checkpoints hold the gathered adapters, --resume continues, and final/ holds
+    the merged model and adapter/ with the same logits."""
     from peft import PeftModel
 
     out = tmp_path / "run"
-    args = ["train.py", *TINY, *LORA, "--model.parallel=fsdp", "--grpo.beta=0.05", "--checkpoint.every=1",
-            "--rollout.max_new_tokens=16", f"--out_dir={out}"]
+    args = ["train.py", *TINY, *LORA, "--model.parallel=fsdp", "--grpo.beta=0.05",
+            "--checkpoint.every=1", "--rollout.max_new_tokens=16", f"--out_dir={out}"]
     torchrun(*args, "--max_steps=2")
     ck = out / "checkpoints" / "step_000002"
     layers = json.loads((MODEL / "config.json").read_text())["num_hidden_layers"]
-    assert len(load_file(ck / "adapter_model.safetensors")) == 2 * 7 * layers, "A, B of 7 linears a block"
+    saved = load_file(ck / "adapter_model.safetensors")
+    assert len(saved) == 2 * 7 * layers, "A and B of 7 linear layers per block"
     torchrun(*args, "--max_steps=3", "--resume")
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["kl_ref"] > 0
     merged = AutoModelForCausalLM.from_pretrained(out / "final")
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), out / "final" / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(MODEL)
+    adapted = PeftModel.from_pretrained(base, out / "final" / "adapter")
     tokens = synthetic_batch(merged.config.vocab_size).tokens
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=tokens).logits, adapted(input_ids=tokens).logits,
-                                   atol=1e-5, rtol=0)
+        a, b = merged(input_ids=tokens).logits, adapted(input_ids=tokens).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
