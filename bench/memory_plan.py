@@ -4,6 +4,7 @@ Usage:
   python bench/memory_plan.py                      # the README table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
   python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model trained a few steps on this CPU:
                                                    # peak RSS against the formula's CPU figure (~5 min, ~9 GB of RAM)
+  python bench/memory_plan.py --measure --lora 32  # the same with rank-32 adapters on a frozen base
 
 The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N GPUs sharing them under fsdp):
   weights      4·P        float32 master weights            (/N under fsdp, + 2·2·P_layer of gathered bf16 layers)
@@ -19,6 +20,9 @@ The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N 
   generation   KV cache  gen_batch·T·L·2·n_kv·d·2 (bf16), plus under fsdp the full bf16 weights 2·P, gathered once
                for the whole generation phase
   optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
+LoRA (model.lora.rank r > 0; P_A = r · Σ (fan-in + fan-out) over the linear layers of every block):
+  weights a·P (the frozen base, in the compute dtype) + 4·P_A; gradients 4·P_A; optimizer 8·P_A;
+  optimizer step 4·P_A; activations, logits, no-grad passes and generation as above.
 Training, the no-grad passes, generation and the optimizer step do not overlap in time: the peak is the resident training state
 (weights, gradients, optimizer) plus the largest of the four phases (the optimizer step is one). Not counted: the CUDA context and allocator
 fragmentation (plan 2-4 GB of headroom per GPU).
