@@ -3,7 +3,7 @@ is the base, final/ holds a merged model with the adapted model's logits and an 
 peft loads, a killed run resumes bit-identically, torchrun (ddp, fsdp) applies the single-process
 update, and every replay strategy runs.
 
-  python -m pytest tests/test_lora.py -q     # ~8 min on 2 CPU cores; the embedded tiny model
+  python -m pytest tests/test_lora.py -q     # minutes on 2 CPU cores; the embedded tiny model
 """
 
 import json
@@ -316,7 +316,8 @@ def test_lora_torchrun_fsdp_train_with_kl_checkpoints_and_resumes(tmp_path):
     tokens = synthetic_batch(merged.config.vocab_size).tokens
     with torch.no_grad():
         a, b = merged(input_ids=tokens).logits, adapted(input_ids=tokens).logits
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # rounding of (W + s·B A) x against W x + s·B(A x): 1.3e-5 at |logit| 3 measured once
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
