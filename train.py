@@ -301,11 +301,23 @@ class Run:
     wandb: object = None
 
 
+def backend_map(device_type: str) -> str:
+    """The process group's backends. gloo serves host tensors: our own reductions (all_ranks, save_model's
+    failure flag, StopSignal, the replay buffers', restore's step check) and object collectives all run on CPU
+    tensors, which NCCL alone does not serve; an accelerator adds its own backend for the model's collectives."""
+    if device_type == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{device_type}:{dist.Backend.default_device_backend_map[device_type]}"
+
+
 def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     """Check the folder, load data and model, restore a checkpoint; only then claim out_dir."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(hours=2))
+        gpu = torch.cuda.is_available()
+        if gpu:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = backend_map("cuda" if gpu else "cpu")
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     out = Path(cfg.out_dir)
     check_out_dir(out, resume, overwrite)

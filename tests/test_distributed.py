@@ -1,0 +1,104 @@
+"""The real-scale distributed path on this CPU (issue 24): collectives under an accelerator's backend map, a
+checkpoint that resumes on another number of processes, the model loaded once per job, and memory per slot.
+
+  python -m pytest -q tests/test_distributed.py     # a few minutes on 2 CPU cores; torchrun, gloo, one thread each
+
+Under NCCL only CUDA tensors have a backend. gloo's "cuda:gloo" map is the same situation on a CPU: any
+collective on a host tensor fails with "No backend type associated with device type cpu".
+"""
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+TINY = ["--config", "configs/tiny.yaml", "--rollout.batch_size=16", "--rollout.group_size=4",
+        "--rollout.max_new_tokens=16", "--eval.n=8", "--eval.k=1", "--eval.every=0", "--checkpoint.every=1",
+        "--reward.no_answer=-1", "--threads=1", "--wandb.mode=disabled"]
+
+
+def torchrun(n: int, *args: str, timeout: int = 400, ok: bool = True) -> subprocess.CompletedProcess:
+    """n processes under torchrun; on a timeout the launcher and its workers are killed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout}s: {err[-4000:]}")
+    if ok:
+        assert proc.returncode == 0, err[-4000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def train_under(backend: str, *args: str) -> None:
+    """Under torchrun: the process group initialised with `backend`, then train.py's main (setup sees the group
+    and keeps it)."""
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
+    sys.exit(train.main(list(args)))
+
+
+# ---------------------------------------------------------------------------------------------- backend map
+
+
+def test_nccl_backend_map_registers_gloo_for_host_tensors(monkeypatch):
+    """On a GPU, setup initialises "cpu:gloo,cuda:nccl": host tensors go to gloo, CUDA tensors to NCCL."""
+    seen = []
+
+    def init(backend, **kw):
+        seen.append(backend)
+        raise KeyboardInterrupt  # stop set-up here: nothing else is under test
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(KeyboardInterrupt):
+        train.setup(train.load_config(None, []), None, False)
+    assert seen == ["cpu:gloo,cuda:nccl"] == [train.backend_map("cuda")]
+    assert train.backend_map("cpu") == "gloo"
+
+
+def test_nccl_like_backend_map_without_cpu_fails_on_host_collectives(tmp_path):
+    """The control: with only an accelerator's backend registered (cuda:gloo here, as NCCL alone on a GPU), a
+    host-tensor collective fails (here the first is DDP's broadcast of the CPU-held weights; on a GPU it was
+    all_ranks after the step-0 eval), so the run below would see it if any of our collectives lacked gloo."""
+    r = torchrun(2, __file__, "--backend=cuda:gloo", *TINY, f"--out_dir={tmp_path / 'run'}", "--max_steps=1",
+                 ok=False)
+    assert r.returncode != 0 and "No backend type associated with device type cpu" in r.stderr
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_nccl_backend_map_runs_setup_eval_step_checkpoint_resume(tmp_path, parallel):
+    """train.py's own map for a GPU, its accelerator backend played by gloo (NCCL needs a GPU): set-up, the
+    step-0 eval, steps with replay, checkpoints, a stop signal's agreement, --resume, final/."""
+    backend = train.backend_map("cuda").replace("nccl", "gloo")
+    assert backend == "cpu:gloo,cuda:gloo"
+    out = tmp_path / "run"
+    common = [__file__, f"--backend={backend}", *TINY, f"--out_dir={out}", f"--model.parallel={parallel}",
+              "--replay.strategy=uniform", "--replay.ratio=0.25"]
+    torchrun(2, *common, "--max_steps=1")
+    assert (out / "checkpoints" / "step_000001").is_dir()
+    r = torchrun(2, *common, "--max_steps=2", "--resume")
+    assert "resuming from" in r.stderr
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2] and (out / "final").is_dir()
+
+
+if __name__ == "__main__" and sys.argv[1].startswith("--backend="):
+    train_under(sys.argv[1].partition("=")[2], *sys.argv[2:])
