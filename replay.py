@@ -1,9 +1,9 @@
 """Experience replay for GRPO: one rollout-level buffer and the strategies behind `replay.strategy`, side by side.
 
-Storage. `capacity` rows of preallocated tensors on CPU (a `Rollouts` of token ids and behaviour log-probs of
-shape (capacity, max_len) and every per-row field), plus per slot `valid`, `used` (times replayed) and `score` (a
-strategy's own number: a priority, a solve count). There is no Python object per rollout and memory is fixed by
-`capacity`. A push writes the slots after the previous write, so a full buffer overwrites its oldest rows
+Storage. `capacity` rows of preallocated tensors on CPU (a `Rollouts` of int32 token ids and float32 behaviour
+log-probs of shape (capacity, max_len), 8 bytes per position, and every per-row field), plus per slot `valid`, `used`
+(times replayed) and `score` (a strategy's own number: a priority, a solve count). There is no Python object per
+rollout and memory is fixed by `capacity`; a checkpoint holds the occupied slots' tokens only. A push writes the slots after the previous write, so a full buffer overwrites its oldest rows
 (eviction "capacity"); evictions by age or retirement clear `valid`, and the ring reuses those slots later.
 
 A strategy is a subclass with a `name` (defining it registers it: STRATEGIES[name]) that overrides what it needs:
@@ -46,7 +46,7 @@ class ReplayConfig:
     strategy: str = "none"
     """a name in replay.STRATEGIES: none | uniform | aper | rlep | exgrpo | group (or one you add)"""
     capacity: int = 4096
-    """rows the buffer holds; memory is capacity × max_len × 12 bytes"""
+    """rows the buffer holds; memory is capacity × max_len × 8 bytes (int32 ids, float32 log-probs)"""
     ratio: float = 0.5
     """uniform: replayed share of the update batch (< 1); aper: replayed rows per fresh row (≤ 4); exgrpo: share of
     a step's prompts taken from experience"""
@@ -94,6 +94,7 @@ class Replay:
         C = cfg.capacity if type(self) is not Replay else 0
         self.cfg, self.pad_id, self.head, self.entropy_fn = cfg, pad_id, 0, None
         self.rows = Rollouts.empty(C, max_len, pad_id)
+        self.rows.tokens = self.rows.tokens.int()  # ids < 2^31: half the bytes of int64
         self.valid, self.used, self.score = torch.zeros(C, dtype=torch.bool), torch.zeros(C), torch.zeros(C)
         self.gen = torch.Generator().manual_seed(seed)
         self.evicted = {"capacity": 0, "age": 0, "retired": 0}  # totals since the start of the run
@@ -129,16 +130,27 @@ class Replay:
         return m | {f"replay/{k}": float(self.last.get(k, 0.0)) for k in keys}
 
     def state_dict(self) -> dict:
+        """Every per-slot field, but the (C, max_len) tokens and log-probs of occupied slots only, cut to their
+        longest row: what an empty slot holds is never read (a write replaces the whole row)."""
+        slots = self._stored()
+        L = int(self.rows.seq_len[slots].max()) if len(slots) else 0
         rows = {f.name: getattr(self.rows, f.name).clone() for f in fields(Rollouts)}
+        rows |= {"tokens": self.rows.tokens[slots, :L], "behav_logp": self.rows.behav_logp[slots, :L]}
         own = {k: getattr(self, k) for k in ("valid", "used", "score", *self.STATE)}
         return rows | {k: v.clone() if torch.is_tensor(v) else v for k, v in own.items()} | {
-            "head": self.head, "rng": self.gen.get_state(), "evicted": dict(self.evicted), "last": dict(self.last)}
+            "head": self.head, "rng": self.gen.get_state(), "evicted": dict(self.evicted), "last": dict(self.last),
+            "max_len": self.rows.tokens.shape[1]}
 
     def load_state_dict(self, d: dict) -> None:
-        if d["tokens"].shape != self.rows.tokens.shape:
-            raise ValueError(f"replay state holds {tuple(d['tokens'].shape)} rows × tokens, this buffer "
-                             f"{tuple(self.rows.tokens.shape)}")
-        self.rows = Rollouts(**{f.name: d[f.name].clone() for f in fields(Rollouts)})
+        shape, here = (len(d["valid"]), d["max_len"]), tuple(self.rows.tokens.shape)
+        if shape != here:
+            raise ValueError(f"replay state holds {shape} rows × tokens, this buffer {here}")
+        empty = Rollouts.empty(*shape, self.pad_id)
+        rows = {f.name: d[f.name].clone() for f in fields(Rollouts) if f.name not in ("tokens", "behav_logp")}
+        self.rows = Rollouts(**rows, tokens=empty.tokens.int(), behav_logp=empty.behav_logp)
+        slots, L = d["valid"].nonzero().squeeze(1), d["tokens"].shape[1]
+        self.rows.tokens[slots, :L] = d["tokens"].int()
+        self.rows.behav_logp[slots, :L] = d["behav_logp"]
         for k in ("valid", "used", "score", *self.STATE):
             setattr(self, k, d[k].clone() if torch.is_tensor(d[k]) else d[k])
         self.head, self.evicted, self.last = d["head"], dict(d["evicted"]), dict(d["last"])
@@ -171,7 +183,7 @@ class Replay:
     def _read(self, slots: torch.Tensor, fresh: Rollouts, onpolicy: bool = False) -> Rollouts:
         """The stored rows at `slots`, marked replayed, with their advantage per replay.advantage; notes their reuse
         and age in the metrics."""
-        rows, n = self.rows.select(slots), len(slots)
+        rows, n = self._select(slots), len(slots)
         rows.replayed, rows.onpolicy, rows.slot = torch.ones(n, dtype=torch.bool), torch.full((n,), onpolicy), slots
         if self.cfg.advantage == "recompute":
             rows.advantage = self._recomputed(rows, fresh)
@@ -179,6 +191,12 @@ class Replay:
         age = (fresh.born.max() - rows.born).float() if n and len(fresh) else torch.zeros(1)
         self.last = {"sampled": n, "replayed_share": n / max(1, n + len(fresh)), "age_mean": age.mean().item(),
                      "age_max": age.max().item(), "reuse_max": self.used.max().item() if n else 0.0}
+        return rows
+
+    def _select(self, slots: torch.Tensor) -> Rollouts:
+        """The stored rows at `slots`, token ids back to int64 as every batch holds them."""
+        rows = self.rows.select(slots)
+        rows.tokens = rows.tokens.long()
         return rows
 
     def _evict(self, mask: torch.Tensor, reason: str) -> None:
@@ -367,7 +385,7 @@ class ExgrpoReplay(Replay):
         drawn = self._draw(pool, k, min(len(pool), int(self.cfg.ratio * n)), G) if self.latched else pool[:0]
         if self.latched:  # every rank measures, even with nothing to measure: under FSDP a forward is collective
             candidates = stored[torch.isin(self.rows.prompt_idx[stored], drawn)]
-            entropy = self.entropy_fn(self.rows.select(candidates))
+            entropy = self.entropy_fn(self._select(candidates))
             self.chosen = self._first_per_prompt(candidates, entropy, 1)
         fresh = idx[: n - len(drawn)]
         return fresh + drawn.tolist(), [G] * len(fresh) + [G - 1] * len(drawn)

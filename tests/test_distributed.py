@@ -100,5 +100,33 @@ def test_nccl_backend_map_runs_setup_eval_step_checkpoint_resume(tmp_path, paral
     assert [x["step"] for x in rows] == [1, 2] and (out / "final").is_dir()
 
 
+# ---------------------------------------------------------------------------------------------- buffer memory
+
+
+def test_world_size_free_replay_state_holds_int32_ids_and_occupied_slots_only(tmp_path):
+    """The ring: 4 bytes per token id (int32) + 4 per log-prob = 8 bytes per position, from 12 (int64 ids); its
+    checkpoint state holds the occupied slots, cut to their longest row, and restores the same draws."""
+    import test_replay as tr
+
+    C, L = 64, 100
+    buf = tr.buffer("uniform", ratio=0.5, capacity=C, max_len=L)
+    per_slot = sum(getattr(buf.rows, k)[0].nbytes for k in ("tokens", "behav_logp"))
+    assert buf.rows.tokens.dtype == torch.int32 and per_slot == 8 * L == 800  # was 12 * L = 1,200
+    stored = tr.rollouts(5, L=12, born=1)  # rows of 5..12 tokens
+    tr.push(buf, stored, 1)
+    state = buf.state_dict()
+    L5 = int(stored.seq_len.max())
+    assert state["tokens"].shape == state["behav_logp"].shape == (5, L5)  # not (64, 100)
+    torch.save(state, tmp_path / "replay.pt")
+    loaded = torch.load(tmp_path / "replay.pt", weights_only=True)
+    again = tr.buffer("uniform", ratio=0.5, capacity=C, max_len=L)
+    again.load_state_dict(loaded)
+    assert torch.equal(again.rows.tokens, buf.rows.tokens) and again.rows.tokens.dtype == torch.int32
+    assert torch.equal(again.rows.behav_logp, buf.rows.behav_logp)
+    fresh = tr.rollouts(4, born=2, seed=3)
+    tr.assert_same(again.sample(fresh, 2), buf.sample(fresh, 2))  # the same rows drawn, bit for bit
+    assert (tmp_path / "replay.pt").stat().st_size < C * L * 8 / 3  # the whole ring's ids and log-probs: 51 kB
+
+
 if __name__ == "__main__" and sys.argv[1].startswith("--backend="):
     train_under(sys.argv[1].partition("=")[2], *sys.argv[2:])
