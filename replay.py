@@ -27,6 +27,7 @@ no spread. Rows that join fresh groups (rlep, exgrpo) get their advantages from 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, fields
@@ -188,10 +189,15 @@ class Replay:
         if self.cfg.advantage == "recompute":
             rows.advantage = self._recomputed(rows, fresh)
         self.used.index_add_(0, slots, torch.ones(n))  # a slot may be drawn twice
+        self._note(rows, fresh, self.used.max().item() if n else 0.0)
+        return rows
+
+    def _note(self, rows: Rollouts, fresh: Rollouts, reuse_max: float) -> None:
+        """The replay metrics of this step's replayed `rows`."""
+        n = len(rows)
         age = (fresh.born.max() - rows.born).float() if n and len(fresh) else torch.zeros(1)
         self.last = {"sampled": n, "replayed_share": n / max(1, n + len(fresh)), "age_mean": age.mean().item(),
-                     "age_max": age.max().item(), "reuse_max": self.used.max().item() if n else 0.0}
-        return rows
+                     "age_max": age.max().item(), "reuse_max": reuse_max}
 
     def _select(self, slots: torch.Tensor) -> Rollouts:
         """The stored rows at `slots`, token ids back to int64 as every batch holds them."""
@@ -292,41 +298,107 @@ class AperReplay(Replay):
         return Rollouts.cat([fresh, rows], self.pad_id)
 
 
+class PhaseOne:
+    """RLEP's phase-I store: every verified success of `rlep_source`, kept whole beside the ring (never evicted,
+    whatever `capacity` is). Ragged: the completions' int32 ids in one flat tensor with row offsets, rows sorted by
+    prompt, so a prompt's rows are one range. No log-probs: RLEP treats its replayed rows as on-policy (the loss
+    never reads their behaviour log-probs). 4 bytes per completion token on every rank; no checkpoint holds it (the
+    file is its source): the file's sha256 and each row's replay count do."""
+
+    def __init__(self, completions: list[list[int]], prompt_idx: list[int], n_prompts: int, sha256: str):
+        order = sorted(range(len(completions)), key=prompt_idx.__getitem__)  # stable: file order within a prompt
+        lengths = torch.tensor([len(completions[i]) for i in order])
+        self.ids = torch.tensor([t for i in order for t in completions[i]], dtype=torch.int32)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # (N + 1,)
+        self.prompt_idx = torch.tensor([prompt_idx[i] for i in order], dtype=torch.long)  # (N,) sorted
+        self.first = torch.searchsorted(self.prompt_idx, torch.arange(n_prompts + 1))  # (P + 1,) row ranges
+        self.used = torch.zeros(len(order), dtype=torch.int32)  # (N,) times each row was replayed
+        self.sha256 = sha256
+
+    def __len__(self) -> int:
+        return len(self.prompt_idx)
+
+    def completion(self, i: int) -> list[int]:
+        return self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
+
+    def draw(self, prompts: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+        """Up to n rows of each of `prompts` (unique ids), uniformly without replacement: the n smallest of one
+        uniform key per row of theirs."""
+        lo, hi = self.first[prompts], self.first[prompts + 1]  # (K,) each
+        counts = hi - lo
+        rows = torch.repeat_interleave(lo - torch.cumsum(counts, 0) + counts, counts) + torch.arange(int(counts.sum()))
+        key = torch.rand(len(rows), generator=gen)
+        owner = torch.repeat_interleave(torch.arange(len(prompts)), counts)
+        order = torch.argsort(owner * 2.0 + key, stable=True)  # by prompt, then by key (key < 1)
+        rank = torch.arange(len(rows)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        return rows[order][rank < n]
+
+    def rollouts(self, rows: torch.Tensor, prompts: list[list[int]], pad_id: int, reward: float) -> Rollouts:
+        """The stored rows `rows` as replayed, on-policy, verified-correct rollouts (slot -1: no ring slot)."""
+        seqs = [prompts[int(self.prompt_idx[i])] + self.completion(int(i)) for i in rows]
+        plen = [len(prompts[int(self.prompt_idx[i])]) for i in rows]
+        out = pack([(s, p, [0.0] * (len(s) - p), False, 0.0) for s, p in zip(seqs, plen)] or [([pad_id], 1, [],
+                   False, 0.0)], pad_id, self.prompt_idx[rows], torch.full((len(rows),), -1), 0)
+        out = out.select(torch.arange(len(rows)))
+        out.reward, out.correct = torch.full((len(rows),), reward), torch.ones(len(rows), dtype=torch.bool)
+        out.replayed = torch.ones(len(rows), dtype=torch.bool)
+        self.used.index_add_(0, rows, torch.ones(len(rows), dtype=torch.int32))
+        return out
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 class RlepReplay(Replay):
     """rlep: a store of verified-correct answers; before advantages, up to `rlep_n` random successes of the same
     prompt join each fresh group (onpolicy: their log-probs count as the current policy's, as RLEP recomputes
-    them). Phase I comes from `rlep_source`; without it the store fills from this run's own verified successes
-    ("online RLEP", a departure: the paper collects them from a finished run)."""
+    them). Phase I comes from `rlep_source`, kept whole in its own store (PhaseOne: `capacity` does not apply);
+    without it the ring fills from this run's own verified successes ("online RLEP", a departure: the paper
+    collects them from a finished run)."""
 
     name = "rlep"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.store, self.prompts, self.reward = None, [], 0.0
 
     @staticmethod
     def check(cfg):
         return {"rlep_n": (cfg.rlep_n >= 1, "≥ 1")}
 
+    def __len__(self) -> int:
+        return super().__len__() + (len(self.store) if self.store else 0)
+
     def start(self, problems, prompts, tokenizer, cfg, entropy=None):
-        """Phase I from `rlep_source`: JSONL rows {"problem": text (or "prompt_idx": i), "completion_ids": [...],
-        "behav_logp": [...]} as eval.py --save-correct writes them: the sampled tokens are replayed exactly. A
-        text-only row ({"completion": text}) is tokenized, the end token appended. The tokens phase I generated
-        come from `<rlep_source>.meta.json`."""
+        """Phase I from `rlep_source`: JSONL rows {"problem": text (or "prompt_idx": i), "completion_ids": [...]}
+        as eval.py --save-correct writes them: the sampled tokens are replayed exactly. A text-only row
+        ({"completion": text}) is tokenized, the end token appended. A row that would be cut (over
+        rollout.max_new_tokens) or names no training prompt is refused. The tokens phase I generated come from
+        `<rlep_source>.meta.json`."""
         if not self.cfg.rlep_source:
             return 0
-        path, by_problem, rows = self.cfg.rlep_source, {p.problem: i for i, p in enumerate(problems)}, []
+        path, by_problem, ids, owner = self.cfg.rlep_source, {p.problem: i for i, p in enumerate(problems)}, [], []
+        limit = cfg.rollout.max_new_tokens
         for n, r in enumerate(read_jsonl(path), 1):
-            i, ids = r.get("prompt_idx", by_problem.get(r.get("problem"))), r.get("completion_ids")
-            if ids is None and isinstance(r.get("completion"), str):
-                ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            if not isinstance(i, int) or not 0 <= i < len(prompts) or not isinstance(ids, list) or not ids:
+            i, done = r.get("prompt_idx", by_problem.get(r.get("problem"))), r.get("completion_ids")
+            if done is None and isinstance(r.get("completion"), str):
+                done = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            if not isinstance(i, int) or not 0 <= i < len(prompts) or not isinstance(done, list) or not done:
                 raise ValueError(f"{path}: row {n} needs a known problem (or prompt_idx) and a completion")
-            ids = ids[: cfg.rollout.max_new_tokens]
-            lp = r.get("behav_logp") if len(r.get("behav_logp") or []) >= len(ids) else [0.0] * len(ids)
-            rows.append((prompts[i] + ids, len(prompts[i]), lp[: len(ids)], False, 0.0, i))
-        if not rows:
+            if len(done) > limit:
+                raise ValueError(f"{path}: row {n} holds {len(done)} completion tokens, over rollout.max_new_tokens "
+                                 f"({limit}): it would be cut")
+            ids.append(done)
+            owner.append(i)
+        if not ids:
             raise ValueError(f"replay.rlep_source {path} holds no solutions")
-        idx = torch.tensor([r[5] for r in rows])
-        ro = pack([r[:5] for r in rows], self.pad_id, idx, torch.full((len(rows),), -1), 0)
-        ro.reward, ro.correct = torch.full((len(rows),), cfg.reward.correct), torch.ones(len(rows), dtype=torch.bool)
-        self._write(ro)
+        self.store = PhaseOne(ids, owner, len(prompts), file_sha256(path))
+        self.prompts, self.reward = prompts, cfg.reward.correct
         meta = Path(path + ".meta.json")
         return int(json.loads(meta.read_text()).get("generated_tokens", 0)) if meta.is_file() else 0
 
@@ -337,14 +409,33 @@ class RlepReplay(Replay):
     def before_advantages(self, fresh, step):
         gid, first = torch.unique(fresh.group, return_inverse=True)
         prompt_of = torch.zeros_like(gid).scatter_(0, first, fresh.prompt_idx)  # (groups,) the prompt of each group
-        stored = self._stored()
-        stored = stored[torch.isin(self.rows.prompt_idx[stored], prompt_of)]
-        slots = self._first_per_prompt(stored, torch.rand(len(stored), generator=self.gen), self.cfg.rlep_n)
-        rows = self._read(slots, fresh, onpolicy=True)
+        if self.store is None:
+            stored = self._stored()
+            stored = stored[torch.isin(self.rows.prompt_idx[stored], prompt_of)]
+            slots = self._first_per_prompt(stored, torch.rand(len(stored), generator=self.gen), self.cfg.rlep_n)
+            rows = self._read(slots, fresh, onpolicy=True)
+        else:
+            drawn = self.store.draw(torch.unique(prompt_of), self.cfg.rlep_n, self.gen)
+            rows = self.store.rollouts(drawn, self.prompts, self.pad_id, self.reward)
+            self._note(rows, fresh, float(self.store.used.max()) if len(drawn) else 0.0)
         order = torch.argsort(prompt_of, stable=True)  # a prompt in two groups feeds the first of them
         rows.group = gid[order[torch.searchsorted(prompt_of[order], rows.prompt_idx)]]
         mixed = Rollouts.cat([fresh, rows], self.pad_id)
         return mixed.select(torch.argsort(mixed.group, stable=True))  # each group's rows adjacent, fresh first
+
+    def state_dict(self):
+        """The ring (online RLEP's rows) and, with a source, its sha256 and replay counts, not its rows."""
+        store = self.store or PhaseOne([], [], 0, "")
+        return super().state_dict() | {"source_sha256": store.sha256, "source_used": store.used.clone()}
+
+    def load_state_dict(self, d):
+        sha = self.store.sha256 if self.store else ""
+        if d["source_sha256"] != sha:
+            raise ValueError(f"replay.rlep_source {self.cfg.rlep_source} is not the file this run started from "
+                             "(its sha256 differs)")
+        super().load_state_dict(d)
+        if self.store:
+            self.store.used = d["source_used"].clone()
 
 
 class ExgrpoReplay(Replay):

@@ -128,5 +128,60 @@ def test_world_size_free_replay_state_holds_int32_ids_and_occupied_slots_only(tm
     assert (tmp_path / "replay.pt").stat().st_size < C * L * 8 / 3  # the whole ring's ids and log-probs: 51 kB
 
 
+# ---------------------------------------------------------------------------------------------- RLEP phase I
+
+
+def phase_one_file(path: Path, rows_per_problem: int, suffix: list[int] | None = None) -> int:
+    """A phase-I file of `rows_per_problem` verified answers to every tiny training problem (distinct token
+    sequences: the answer, then 0..k-1 spaces, then the end token); returns its number of rows."""
+    from data.loaders import load_task
+    from rollout import load_model
+
+    _, tok = load_model(str(REPO / "data" / "tiny_model"))
+    problems, _ = load_task(train.load_config("configs/tiny.yaml", []).data, 1)
+    lines = []
+    for p in problems:
+        answer = tok(f"\\boxed{{{p.answer}}}", add_special_tokens=False)["input_ids"]
+        space = tok(" ", add_special_tokens=False)["input_ids"]
+        for k in range(rows_per_problem):
+            ids = answer + space * k + (suffix or []) + [tok.eos_token_id]
+            lines.append(json.dumps({"problem": p.problem, "completion_ids": ids}) + "\n")
+    path.write_text("".join(lines))
+    return len(lines)
+
+
+def test_phase_one_store_keeps_every_prompts_successes_past_capacity(tmp_path):
+    """Through train.py: 6,000 phase-I rows (3 per problem) and replay.capacity 64. Every group of every step
+    gets rlep_n = 2 stored successes (the ring capped at 64 rows evicted 5,936 of them and replayed 0, 0, 2
+    rows in these 3 steps, against 8, 8, 8 here); the checkpoint holds no phase-I row; a changed file refuses
+    --resume."""
+    src = tmp_path / "phase1.jsonl"
+    assert phase_one_file(src, 3) == 6000
+    out = tmp_path / "run"
+    args = [*TINY, f"--out_dir={out}", "--replay.strategy=rlep", f"--replay.rlep_source={src}",
+            "--replay.capacity=64", "--replay.rlep_n=2"]
+    assert train.main([*args, "--max_steps=3"]) == 0
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    prompts_per_step = 16 // 4
+    assert [r["replay/rows"] for r in rows] == [2 * prompts_per_step] * 3
+    assert [r["replay/size"] for r in rows] == [6000.0] * 3
+    state = torch.load(out / "checkpoints" / "step_000003" / "state_rank0.pt", weights_only=True)
+    assert state["replay"]["tokens"].numel() == 0 and len(state["replay"]["source_sha256"]) == 64
+    assert int(state["replay"]["source_used"].sum()) == 3 * 2 * prompts_per_step
+    phase_one_file(src, 2)
+    assert train.main([*args, "--max_steps=4", "--resume"]) == 2
+
+
+def test_phase_one_store_refuses_a_row_it_would_cut(tmp_path, capsys):
+    src = tmp_path / "phase1.jsonl"
+    phase_one_file(src, 1, suffix=[5] * 20)  # 20 more tokens: over rollout.max_new_tokens=16
+    out = tmp_path / "run"
+    args = [*TINY, f"--out_dir={out}", "--replay.strategy=rlep", f"--replay.rlep_source={src}"]
+    assert train.main([*args, "--max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "over rollout.max_new_tokens (16): it would be cut" in err
+    assert not out.exists()
+
+
 if __name__ == "__main__" and sys.argv[1].startswith("--backend="):
     train_under(sys.argv[1].partition("=")[2], *sys.argv[2:])

@@ -286,8 +286,10 @@ def check_rlep_mix(buf, mixed, fresh, n):
     for g in set(rows):  # fresh rows first within a group
         flags = mixed.replayed[mixed.group == g].tolist()
         assert flags == sorted(flags)
-    for b, s in enumerate(added.slot.tolist()):  # `slot` points at the stored row
-        assert torch.equal(buf.rows.tokens[s, : added.seq_len[b]], added.tokens[b, : added.seq_len[b]])
+    for b, s in enumerate(added.slot.tolist()):  # `slot` points at the ring's row (-1: phase I's store)
+        assert s >= 0 or buf.store is not None
+        if s >= 0:
+            assert torch.equal(buf.rows.tokens[s, : added.seq_len[b]], added.tokens[b, : added.seq_len[b]])
     return added
 
 
@@ -314,15 +316,20 @@ def test_rlep_phase_one_store_is_fixed(tmp_path):
     problems = [Problem(f"problem {i}", str(i), f"id{i}") for i in range(3)]
     prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
     src = tmp_path / "solutions.jsonl"
-    lines = [{"problem": "problem 0", "completion_ids": [20 + i, 30 + i, 2], "behav_logp": [-0.5, -0.25, -0.125]} for i in range(4)]
-    lines.append({"prompt_idx": 1, "completion_ids": [40, 2], "behav_logp": [-1.0, -0.75]})
+    lines = [{"problem": "problem 0", "completion_ids": [20 + i, 30 + i, 2], "behav_logp": [-0.5, -0.25, -0.125]}
+             for i in range(4)]
+    lines.insert(2, {"prompt_idx": 1, "completion_ids": [40, 2], "behav_logp": [-1.0, -0.75]})
     src.write_text("".join(json.dumps(r) + "\n" for r in lines))
     (tmp_path / "solutions.jsonl.meta.json").write_text(json.dumps({"generated_tokens": 1234}))
-    buf = buffer("rlep", rlep_n=3, rlep_source=str(src))
+    buf = buffer("rlep", rlep_n=3, rlep_source=str(src), capacity=2)  # the ring's capacity does not apply
     assert buf.start(problems, prompts, None, cfg) == 1234  # phase I's generation counts in the run's total
-    assert len(buf) == 5 and buf.rows.correct[:5].all() and (buf.rows.reward[:5] == cfg.reward.correct).all()
-    assert buf.rows.tokens[0, :6].tolist() == [5, 6, 7, 20, 30, 2] and buf.rows.tokens[4, :5].tolist() == [8, 9, 10, 40, 2]
-    assert buf.rows.behav_logp[4, :5].tolist() == [0, 0, 0, -1.0, -0.75] and buf.rows.prompt_idx[:5].tolist() == [0, 0, 0, 0, 1]
+    store = buf.store
+    assert len(buf) == len(store) == 5 and store.ids.dtype == torch.int32  # rows of prompt 0 first
+    assert [store.completion(i) for i in range(5)] == [[20, 30, 2], [21, 31, 2], [22, 32, 2], [23, 33, 2], [40, 2]]
+    assert store.prompt_idx.tolist() == [0, 0, 0, 0, 1] and store.first.tolist() == [0, 4, 5, 5]
+    row = store.rollouts(torch.tensor([4]), prompts, PAD, cfg.reward.correct)
+    assert row.tokens[0].tolist() == [8, 9, 10, 40, 2] and row.behav_logp[0].tolist() == [0.0] * 5
+    assert row.correct.all() and (row.reward == cfg.reward.correct).all() and row.onpolicy.all()
 
     for bad, message in [({"problem": "unknown", "completion_ids": [1]}, "row 1 needs a known problem"),
                          ({"problem": "problem 0", "completion_ids": []}, "row 1 needs a known problem")]:  # fmt: skip
@@ -337,8 +344,11 @@ def test_rlep_phase_one_store_is_fixed(tmp_path):
     mixed = buf.before_advantages(fresh, 1)
     added = check_rlep_mix(buf, mixed, fresh, 3)
     assert torch.bincount(added.prompt_idx).tolist() == [3, 1]
+    completions = [added.tokens[b, 3 : added.seq_len[b]].tolist() for b in range(len(added))]
+    assert len({tuple(c) for c in completions[:3]}) == 3  # without replacement
+    assert all(c in [store.completion(i) for i in range(5)] for c in completions)
     push(buf, buf.sample(mixed, 1), 1)
-    assert len(buf) == 5  # phase II never adds to a phase-I store
+    assert len(buf) == 5 and buf.valid.sum() == 0  # phase II never adds to a phase-I store
     with pytest.raises(ValueError, match="replay.rlep_source must be empty: it is read by rlep only, got "):
         buffer("aper", rlep_source="solutions.jsonl")
 

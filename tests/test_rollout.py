@@ -140,8 +140,7 @@ def test_rlep_phase_one_round_trip_keeps_the_sampled_tokens(tmp_path):
     cfg = load_config("configs/tiny.yaml", ["--replay.strategy=rlep", f"--replay.rlep_source={saved}"])
     buf = make_replay(cfg.replay, max_len=128, pad_id=tok.pad_token_id, seed=0)
     assert buf.start(problems, prompts, tok, cfg) == 1234  # phase I's generation, counted in the run's total
-    r = buf.rows
-    stored = [r.tokens[s, r.prompt_len[s]: r.seq_len[s]].tolist() for s in range(len(buf))]
+    stored = [buf.store.completion(i) for i in range(len(buf))]
     assert stored == [r["completion_ids"] for r in rows][: len(stored)] and len(stored) == len(rows)
     through_text = sum(tok(tok.decode(r["completion_ids"]), add_special_tokens=False)["input_ids"] != r["completion_ids"]
                        for r in rows)
@@ -175,10 +174,9 @@ def test_rlep_text_only_source_still_loads(tmp_path):
     buf = make_replay(ReplayConfig(strategy="rlep", rlep_source=str(src)), max_len=64, pad_id=tok.pad_token_id, seed=0)
     cfg = load_config("configs/tiny.yaml", [])
     assert buf.start(problems, prompts, tok, cfg) == 0
-    r = buf.rows
-    ids = r.tokens[0, r.prompt_len[0]: r.seq_len[0]].tolist()
+    ids = buf.store.completion(0)
     assert ids == tok("\\boxed{5}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert r.prompt_idx[0] == 1 and bool(r.correct[0])
+    assert buf.store.prompt_idx.tolist() == [1]
 
 
 def test_overlong_penalty_hand_values():
