@@ -1,10 +1,12 @@
 """Experience replay for GRPO: one rollout-level buffer and the strategies behind `replay.strategy`, side by side.
 
-Storage. `capacity` rows of preallocated tensors on CPU (a `Rollouts` of int32 token ids and float32 behaviour
-log-probs of shape (capacity, max_len), 8 bytes per position, and every per-row field), plus per slot `valid`, `used`
-(times replayed) and `score` (a strategy's own number: a priority, a solve count). There is no Python object per
-rollout and memory is fixed by `capacity`; a checkpoint holds the occupied slots' tokens only. A push writes the slots after the previous write, so a full buffer overwrites its oldest rows
-(eviction "capacity"); evictions by age or retirement clear `valid`, and the ring reuses those slots later.
+Storage. `capacity` rows of preallocated tensors on CPU (a `Rollouts` of int32 token ids and float32
+behaviour log-probs of shape (capacity, max_len), 8 bytes per position, and every per-row field),
+plus per slot `valid`, `used` (times replayed) and `score` (a strategy's own number: a priority, a
+solve count). There is no Python object per rollout and memory is fixed by `capacity`; a checkpoint
+holds the occupied slots' tokens only. A push writes the slots after the previous write, so a full
+buffer overwrites its oldest rows (eviction "capacity"); evictions by age or retirement clear
+`valid`, and the ring reuses those slots later.
 
 A strategy is a subclass with a `name` (defining it registers it: STRATEGIES[name]) that overrides what it needs:
   check(cfg)               its own (condition, message) pairs for its config keys
@@ -40,6 +42,7 @@ from grpo import all_ranks as grpo_all_ranks
 from rollout import Rollouts, pack
 
 STRATEGIES: dict[str, type[Replay]] = {}
+RAGGED = ("tokens", "behav_logp")  # the (rows, max_len) fields: a checkpoint holds occupied rows
 
 
 @dataclass
@@ -47,7 +50,7 @@ class ReplayConfig:
     strategy: str = "none"
     """a name in replay.STRATEGIES: none | uniform | aper | rlep | exgrpo | group (or one you add)"""
     capacity: int = 4096
-    """rows the buffer holds; memory is capacity × max_len × 8 bytes (int32 ids, float32 log-probs)"""
+    """rows the buffer holds; memory is capacity × max_len × 8 bytes (int32 ids, fp32 log-probs)"""
     ratio: float = 0.5
     """uniform: replayed share of the update batch (< 1); aper: replayed rows per fresh row (≤ 4); exgrpo: share of
     a step's prompts taken from experience"""
@@ -131,23 +134,26 @@ class Replay:
         return m | {f"replay/{k}": float(self.last.get(k, 0.0)) for k in keys}
 
     def state_dict(self) -> dict:
-        """Every per-slot field, but the (C, max_len) tokens and log-probs of occupied slots only, cut to their
-        longest row: what an empty slot holds is never read (a write replaces the whole row)."""
+        """Every per-slot field, but the (C, max_len) tokens and log-probs of occupied slots only,
+        cut to their longest row: what an empty slot holds is never read (a write replaces the whole
+        row)."""
         slots = self._stored()
         L = int(self.rows.seq_len[slots].max()) if len(slots) else 0
         rows = {f.name: getattr(self.rows, f.name).clone() for f in fields(Rollouts)}
-        rows |= {"tokens": self.rows.tokens[slots, :L], "behav_logp": self.rows.behav_logp[slots, :L]}
+        rows["tokens"] = self.rows.tokens[slots, :L]
+        rows["behav_logp"] = self.rows.behav_logp[slots, :L]
         own = {k: getattr(self, k) for k in ("valid", "used", "score", *self.STATE)}
-        return rows | {k: v.clone() if torch.is_tensor(v) else v for k, v in own.items()} | {
-            "head": self.head, "rng": self.gen.get_state(), "evicted": dict(self.evicted), "last": dict(self.last),
-            "max_len": self.rows.tokens.shape[1]}
+        own = {k: v.clone() if torch.is_tensor(v) else v for k, v in own.items()}
+        more = {"head": self.head, "rng": self.gen.get_state(), "evicted": dict(self.evicted),
+                "last": dict(self.last), "max_len": self.rows.tokens.shape[1]}
+        return rows | own | more
 
     def load_state_dict(self, d: dict) -> None:
         shape, here = (len(d["valid"]), d["max_len"]), tuple(self.rows.tokens.shape)
         if shape != here:
             raise ValueError(f"replay state holds {shape} rows × tokens, this buffer {here}")
         empty = Rollouts.empty(*shape, self.pad_id)
-        rows = {f.name: d[f.name].clone() for f in fields(Rollouts) if f.name not in ("tokens", "behav_logp")}
+        rows = {f.name: d[f.name].clone() for f in fields(Rollouts) if f.name not in RAGGED}
         self.rows = Rollouts(**rows, tokens=empty.tokens.int(), behav_logp=empty.behav_logp)
         slots, L = d["valid"].nonzero().squeeze(1), d["tokens"].shape[1]
         self.rows.tokens[slots, :L] = d["tokens"].int()
@@ -156,6 +162,43 @@ class Replay:
             setattr(self, k, d[k].clone() if torch.is_tensor(d[k]) else d[k])
         self.head, self.evicted, self.last = d["head"], dict(d["evicted"]), dict(d["last"])
         self.gen.set_state(d["rng"])
+
+    def load_split(self, parts: list[dict], rank: int, world: int, seed: int) -> None:
+        """Resume the state_dicts of another number of processes (`parts`, one per saved rank):
+        their stored rows merged and dealt out by prompt (the i-th prompt in id order to rank i mod
+        world: groups and a question's rows stay together), written oldest first (a smaller total
+        capacity keeps each rank's newest); per-row scores and replay counts kept; strategy state
+        merged (merge_state); eviction totals the saved ranks' mean (the logged mean over ranks goes
+        on); the sampler restarts from `seed`."""
+        merged, score, used = [], [], []
+        for d in parts:
+            slots = d["valid"].nonzero().squeeze(1)
+            flat = {f.name: d[f.name][slots] for f in fields(Rollouts) if f.name not in RAGGED}
+            merged.append(Rollouts(**flat, tokens=d["tokens"].long(), behav_logp=d["behav_logp"]))
+            score.append(d["score"][slots])
+            used.append(d["used"][slots])
+        rows, score, used = Rollouts.cat(merged, self.pad_id), torch.cat(score), torch.cat(used)
+        _, prompt_rank = torch.unique(rows.prompt_idx, return_inverse=True)
+        mine = torch.nonzero(prompt_rank % world == rank).squeeze(1)
+        mine = mine[torch.argsort(rows.born[mine], stable=True)]  # oldest first, then rank, slot
+        if len(mine):
+            slots = self._write(rows.select(mine), score[mine])
+            self.used[slots] = used[mine][len(mine) - len(slots) :]
+        for k in self.STATE:
+            setattr(self, k, self.merge_state([d[k] for d in parts]))
+        self.evicted = {k: sum(d["evicted"][k] for d in parts) // len(parts) for k in self.evicted}
+        self.last = dict(parts[0]["last"])
+        self.gen.manual_seed(seed)
+
+    @staticmethod
+    def merge_state(values: list):
+        """One STATE attribute from the saved ranks' values: tensors of ids are united, flags or-ed;
+        anything else keeps rank 0's value (a strategy with other state overrides this)."""
+        if torch.is_tensor(values[0]):
+            return torch.unique(torch.cat(values))
+        if isinstance(values[0], bool):
+            return any(values)
+        return values[0]
 
     # ---- storage
 
@@ -299,19 +342,21 @@ class AperReplay(Replay):
 
 
 class PhaseOne:
-    """RLEP's phase-I store: every verified success of `rlep_source`, kept whole beside the ring (never evicted,
-    whatever `capacity` is). Ragged: the completions' int32 ids in one flat tensor with row offsets, rows sorted by
-    prompt, so a prompt's rows are one range. No log-probs: RLEP treats its replayed rows as on-policy (the loss
-    never reads their behaviour log-probs). 4 bytes per completion token on every rank; no checkpoint holds it (the
-    file is its source): the file's sha256 and each row's replay count do."""
+    """RLEP's phase-I store: every verified success of `rlep_source`, kept whole beside the ring
+    (never evicted, whatever `capacity` is). Ragged: the completions' int32 ids in one flat tensor
+    with row offsets, rows sorted by prompt, so a prompt's rows are one range. No log-probs: RLEP
+    treats its replayed rows as on-policy (the loss never reads their behaviour log-probs). 4 bytes
+    per completion token on every rank; no checkpoint holds it (the file is its source): the file's
+    sha256 and each row's replay count do."""
 
-    def __init__(self, completions: list[list[int]], prompt_idx: list[int], n_prompts: int, sha256: str):
-        order = sorted(range(len(completions)), key=prompt_idx.__getitem__)  # stable: file order within a prompt
+    def __init__(self, completions: list[list[int]], prompt_idx: list[int], n_prompts: int,
+                 sha256: str):
+        order = sorted(range(len(completions)), key=prompt_idx.__getitem__)  # stable: file order
         lengths = torch.tensor([len(completions[i]) for i in order])
         self.ids = torch.tensor([t for i in order for t in completions[i]], dtype=torch.int32)
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # (N + 1,)
-        self.prompt_idx = torch.tensor([prompt_idx[i] for i in order], dtype=torch.long)  # (N,) sorted
-        self.first = torch.searchsorted(self.prompt_idx, torch.arange(n_prompts + 1))  # (P + 1,) row ranges
+        self.prompt_idx = torch.tensor([prompt_idx[i] for i in order], dtype=torch.long)  # (N,)
+        self.first = torch.searchsorted(self.prompt_idx, torch.arange(n_prompts + 1))  # (P + 1,)
         self.used = torch.zeros(len(order), dtype=torch.int32)  # (N,) times each row was replayed
         self.sha256 = sha256
 
@@ -322,27 +367,32 @@ class PhaseOne:
         return self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
 
     def draw(self, prompts: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-        """Up to n rows of each of `prompts` (unique ids), uniformly without replacement: the n smallest of one
-        uniform key per row of theirs."""
-        lo, hi = self.first[prompts], self.first[prompts + 1]  # (K,) each
-        counts = hi - lo
-        rows = torch.repeat_interleave(lo - torch.cumsum(counts, 0) + counts, counts) + torch.arange(int(counts.sum()))
+        """Up to n rows of each of `prompts` (unique ids), uniformly without replacement: the n
+        smallest of one uniform key per row of theirs."""
+        lo, counts = self.first[prompts], self.first[prompts + 1] - self.first[prompts]  # (K,)
+        start = torch.cumsum(counts, 0) - counts  # (K,) where each prompt's rows begin among `rows`
+        rank = torch.arange(int(counts.sum())) - torch.repeat_interleave(start, counts)
+        rows = torch.repeat_interleave(lo, counts) + rank  # (R,) every row of these prompts
         key = torch.rand(len(rows), generator=gen)
         owner = torch.repeat_interleave(torch.arange(len(prompts)), counts)
-        order = torch.argsort(owner * 2.0 + key, stable=True)  # by prompt, then by key (key < 1)
-        rank = torch.arange(len(rows)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        order = torch.argsort(owner * 2.0 + key, stable=True)  # by prompt, then by key (< 1)
         return rows[order][rank < n]
 
-    def rollouts(self, rows: torch.Tensor, prompts: list[list[int]], pad_id: int, reward: float) -> Rollouts:
-        """The stored rows `rows` as replayed, on-policy, verified-correct rollouts (slot -1: no ring slot)."""
-        seqs = [prompts[int(self.prompt_idx[i])] + self.completion(int(i)) for i in rows]
-        plen = [len(prompts[int(self.prompt_idx[i])]) for i in rows]
-        out = pack([(s, p, [0.0] * (len(s) - p), False, 0.0) for s, p in zip(seqs, plen)] or [([pad_id], 1, [],
-                   False, 0.0)], pad_id, self.prompt_idx[rows], torch.full((len(rows),), -1), 0)
-        out = out.select(torch.arange(len(rows)))
-        out.reward, out.correct = torch.full((len(rows),), reward), torch.ones(len(rows), dtype=torch.bool)
-        out.replayed = torch.ones(len(rows), dtype=torch.bool)
-        self.used.index_add_(0, rows, torch.ones(len(rows), dtype=torch.int32))
+    def rollouts(self, rows: torch.Tensor, prompts: list, pad_id: int, reward: float) -> Rollouts:
+        """The stored `rows` as replayed, on-policy, verified-correct rollouts (slot -1)."""
+        n = len(rows)
+        if not n:
+            return Rollouts.empty(0, 1, pad_id)
+        parts = []
+        for i in rows.tolist():
+            prompt = prompts[int(self.prompt_idx[i])]
+            seq = prompt + self.completion(i)
+            parts.append((seq, len(prompt), [0.0] * (len(seq) - len(prompt)), False, 0.0))
+        out = pack(parts, pad_id, self.prompt_idx[rows], torch.full((n,), -1), 0)
+        out.reward = torch.full((n,), reward)
+        out.correct = torch.ones(n, dtype=torch.bool)
+        out.replayed = torch.ones(n, dtype=torch.bool)
+        self.used.index_add_(0, rows, torch.ones(n, dtype=torch.int32))
         return out
 
 
@@ -355,11 +405,11 @@ def file_sha256(path: str) -> str:
 
 
 class RlepReplay(Replay):
-    """rlep: a store of verified-correct answers; before advantages, up to `rlep_n` random successes of the same
-    prompt join each fresh group (onpolicy: their log-probs count as the current policy's, as RLEP recomputes
-    them). Phase I comes from `rlep_source`, kept whole in its own store (PhaseOne: `capacity` does not apply);
-    without it the ring fills from this run's own verified successes ("online RLEP", a departure: the paper
-    collects them from a finished run)."""
+    """rlep: a store of verified-correct answers; before advantages, up to `rlep_n` random successes
+    of the same prompt join each fresh group (onpolicy: their log-probs count as the current
+    policy's, as RLEP recomputes them). Phase I comes from `rlep_source`, kept whole in its own
+    store (PhaseOne: `capacity` does not apply); without it the ring fills from this run's own
+    verified successes ("online RLEP", a departure: the paper collects them from a finished run)."""
 
     name = "rlep"
 
@@ -375,24 +425,28 @@ class RlepReplay(Replay):
         return super().__len__() + (len(self.store) if self.store else 0)
 
     def start(self, problems, prompts, tokenizer, cfg, entropy=None):
-        """Phase I from `rlep_source`: JSONL rows {"problem": text (or "prompt_idx": i), "completion_ids": [...]}
-        as eval.py --save-correct writes them: the sampled tokens are replayed exactly. A text-only row
-        ({"completion": text}) is tokenized, the end token appended. A row that would be cut (over
-        rollout.max_new_tokens) or names no training prompt is refused. The tokens phase I generated come from
+        """Phase I from `rlep_source`: JSONL rows {"problem": text (or "prompt_idx": i),
+        "completion_ids": [...]} as eval.py --save-correct writes them: the sampled tokens are
+        replayed exactly. A text-only row ({"completion": text}) is tokenized, the end token
+        appended. A row that names no training prompt, or would be cut (over
+        rollout.max_new_tokens), is refused. The tokens phase I generated come from
         `<rlep_source>.meta.json`."""
         if not self.cfg.rlep_source:
             return 0
-        path, by_problem, ids, owner = self.cfg.rlep_source, {p.problem: i for i, p in enumerate(problems)}, [], []
-        limit = cfg.rollout.max_new_tokens
+        path, ids, owner = self.cfg.rlep_source, [], []
+        by_problem = {p.problem: i for i, p in enumerate(problems)}
         for n, r in enumerate(read_jsonl(path), 1):
             i, done = r.get("prompt_idx", by_problem.get(r.get("problem"))), r.get("completion_ids")
             if done is None and isinstance(r.get("completion"), str):
-                done = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            if not isinstance(i, int) or not 0 <= i < len(prompts) or not isinstance(done, list) or not done:
+                done = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
+                done.append(tokenizer.eos_token_id)
+            known = isinstance(i, int) and 0 <= i < len(prompts)
+            if not known or not isinstance(done, list) or not done:
                 raise ValueError(f"{path}: row {n} needs a known problem (or prompt_idx) and a completion")
-            if len(done) > limit:
-                raise ValueError(f"{path}: row {n} holds {len(done)} completion tokens, over rollout.max_new_tokens "
-                                 f"({limit}): it would be cut")
+            if len(done) > cfg.rollout.max_new_tokens:
+                limit = cfg.rollout.max_new_tokens
+                raise ValueError(f"{path}: row {n} holds {len(done)} completion tokens, over "
+                                 f"rollout.max_new_tokens ({limit}): it would be cut")
             ids.append(done)
             owner.append(i)
         if not ids:
@@ -412,7 +466,8 @@ class RlepReplay(Replay):
         if self.store is None:
             stored = self._stored()
             stored = stored[torch.isin(self.rows.prompt_idx[stored], prompt_of)]
-            slots = self._first_per_prompt(stored, torch.rand(len(stored), generator=self.gen), self.cfg.rlep_n)
+            key = torch.rand(len(stored), generator=self.gen)
+            slots = self._first_per_prompt(stored, key, self.cfg.rlep_n)
             rows = self._read(slots, fresh, onpolicy=True)
         else:
             drawn = self.store.draw(torch.unique(prompt_of), self.cfg.rlep_n, self.gen)
@@ -424,18 +479,30 @@ class RlepReplay(Replay):
         return mixed.select(torch.argsort(mixed.group, stable=True))  # each group's rows adjacent, fresh first
 
     def state_dict(self):
-        """The ring (online RLEP's rows) and, with a source, its sha256 and replay counts, not its rows."""
+        """The ring (online RLEP's rows); with a source, its sha256 and replay counts (no rows)."""
         store = self.store or PhaseOne([], [], 0, "")
-        return super().state_dict() | {"source_sha256": store.sha256, "source_used": store.used.clone()}
+        own = {"source_sha256": store.sha256, "source_used": store.used.clone()}
+        return super().state_dict() | own
 
     def load_state_dict(self, d):
-        sha = self.store.sha256 if self.store else ""
-        if d["source_sha256"] != sha:
-            raise ValueError(f"replay.rlep_source {self.cfg.rlep_source} is not the file this run started from "
-                             "(its sha256 differs)")
+        self._same_source(d)
         super().load_state_dict(d)
         if self.store:
             self.store.used = d["source_used"].clone()
+
+    def load_split(self, parts, rank, world, seed):
+        """As the base; phase I's replay counts are the saved ranks' sums (each rank holds it)."""
+        self._same_source(parts[0])
+        super().load_split(parts, rank, world, seed)
+        if self.store:
+            counts = torch.stack([d["source_used"] for d in parts])
+            self.store.used = counts.sum(0, dtype=torch.int32)
+
+    def _same_source(self, d: dict) -> None:
+        sha = self.store.sha256 if self.store else ""
+        if d["source_sha256"] != sha:
+            raise ValueError(f"replay.rlep_source {self.cfg.rlep_source} is not the file this run "
+                             "started from (its sha256 differs)")
 
 
 class ExgrpoReplay(Replay):

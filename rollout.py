@@ -15,6 +15,7 @@ of them came within max_new_tokens.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from contextlib import contextmanager, nullcontext
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+                          LogitsProcessor, LogitsProcessorList)
 
 import lora
 
@@ -135,13 +137,49 @@ def pack(rows: list, pad_id: int, prompt_idx: torch.Tensor, group: torch.Tensor,
     return ro
 
 
-def load_model(path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a local folder or hub id. Code shipped in the folder runs only with trust_remote_code;
-    weights load from safetensors (transformers refuses pickled .bin files unless they load with weights_only)."""
+def load_model(path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
+               meta: bool = False):
+    """(model, tokenizer) from a local folder or hub id. Code shipped in the folder runs only with
+    trust_remote_code; weights load from safetensors (transformers refuses pickled .bin files unless
+    they load with weights_only). `meta`: the model is built on the meta device, without memory or
+    weights (fill_from_rank0 brings them)."""
     transformers.utils.logging.disable_progress_bar()  # one line per run, not a bar per file loaded or saved
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype), tokenizer
+    kw = {"trust_remote_code": trust_remote_code, "dtype": dtype}
+    if not meta:
+        return AutoModelForCausalLM.from_pretrained(path, **kw), tokenizer
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kw)
+    try:  # what from_pretrained would have read
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass  # none saved: from_config's, made from the model config, as from_pretrained's would be
+    return model.eval(), tokenizer
+
+
+def fill_from_rank0(model, path: str, device: torch.device, trust_remote_code: bool,
+                    dtype: torch.dtype) -> None:
+    """Storage on `device` for a model built on the meta device (FSDP-sharded or whole), and the
+    weights of `path`: rank 0 alone reads them onto its host, torch's helper sends each rank its
+    shards (or the whole tensors), so a node holds one host copy of the model, not one per process.
+    Buffers outside the state dict (RoPE's inv_freq) are rank 0's too."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    if not isinstance(model, FSDPModule):  # to_empty untied shared weights (FSDP keeps them tied)
+        model.tie_weights()
+    full = None
+    if dist.get_rank() == 0:
+        kw = {"trust_remote_code": trust_remote_code, "dtype": dtype}
+        full = AutoModelForCausalLM.from_pretrained(path, **kw)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
+    for name, buffer in model.named_buffers():
+        if full is not None:
+            buffer.copy_(full.get_buffer(name))
+        dist.broadcast(buffer, 0)
 
 
 def checkpoint_activations(model) -> None:
@@ -164,24 +202,28 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     bf16, fsdp = cfg.model.compute_dtype == "bfloat16", cfg.model.parallel == "fsdp" and world > 1
     adapted = cfg.model.lora.rank > 0
     base_dtype = torch.bfloat16 if bf16 and adapted else torch.float32
-    trust = cfg.model.trust_remote_code
-    model, tokenizer = load_model(cfg.model.path if adapted else path, trust, base_dtype)
+    trust, meta = cfg.model.trust_remote_code, world > 1 and not adapted  # rank 0 reads weights
+    model, tokenizer = load_model(cfg.model.path if adapted else path, trust, base_dtype, meta)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(model)
         model.config.use_cache = False
-    ref = None
+    ref, ref_dtype = None, torch.bfloat16 if bf16 else torch.float32
     if cfg.grpo.beta > 0 and not adapted:
-        ref = load_model(cfg.model.path, trust, torch.bfloat16 if bf16 else torch.float32)[0]
+        ref = load_model(cfg.model.path, trust, ref_dtype, meta)[0]
     if adapted:
         saved = path if Path(path, "adapter_config.json").is_file() else None
         model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    for m in [model, ref] if ref is not None else [model]:
+    for m, source, dtype in [(model, path, torch.float32), (ref, cfg.model.path, ref_dtype)]:
+        if m is None:
+            continue
         root = lora.hf_model(m)  # under LoRA the module inside peft's wrapper: generate() calls it
         units = [x for x in root.modules() if type(x).__name__ in (root._no_split_modules or [])]
         for x in units + [root] if fsdp else []:
             fully_shard(x, mp_policy=mp)
-        if not fsdp:
+        if meta:
+            fill_from_rank0(m, source, device, trust, dtype)
+        elif not fsdp:
             m.to(device)
     ref.requires_grad_(False).eval() if ref is not None else None
     if cfg.grpo.beta > 0 and adapted:
@@ -194,16 +236,21 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     return model, policy, tokenizer, ref, compute
 
 
-def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> None:
-    """Every rank: write an HF model folder (float32 safetensors, gathered from FSDP shards; the tokenizer) and this
-    rank's trainer state to a temporary folder, fsync every file, rename it to `folder`. A failure on any rank (a
-    full disk raises OSError, SafetensorError or RuntimeError alike) removes it and raises OSError on every rank."""
+def save_model(model, tokenizer, folder: Path, state: dict | None = None,
+               optimizer: dict | None = None, dtype: torch.dtype | None = None) -> None:
+    """Every rank: write an HF model folder (safetensors gathered from FSDP shards, in `dtype`,
+    default the float32 master weights; the tokenizer), rank 0 the `optimizer` state (optimizer.pt),
+    and each rank its trainer state to a temporary folder, fsync every file, rename it to `folder`.
+    A failure on any rank (a full disk raises OSError, SafetensorError or RuntimeError alike)
+    removes it and raises OSError on every rank."""
     rank, tmp, error = dist.get_rank() if dist.is_initialized() else 0, folder.with_name(f".tmp_{folder.name}"), ""
     try:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)
         dist.barrier() if dist.is_initialized() else None
-        write_weights(model, tokenizer, tmp, rank, state is None)
+        write_weights(model, tokenizer, tmp, rank, state is None, dtype)
+        if rank == 0 and optimizer is not None:
+            torch.save(optimizer, tmp / "optimizer.pt")
         torch.save(state, tmp / f"state_rank{rank}.pt") if state is not None else None
         own = [tmp / f"state_rank{rank}.pt"] if state is not None else []  # each rank syncs its own files: the
         written = [f for f in tmp.rglob("*") if not f.name.startswith("state_rank")]  # the others
@@ -222,10 +269,11 @@ def save_model(model, tokenizer, folder: Path, state: dict | None = None) -> Non
     dist.barrier() if dist.is_initialized() else None
 
 
-def write_weights(model, tokenizer, folder: Path, rank: int, final: bool) -> None:
-    """The model folder's files (every rank calls it; rank 0 writes): float32 safetensors gathered
-    from FSDP shards and the tokenizer; under LoRA the adapters, and in final/ the merged model too
-    (lora.save_adapted)."""
+def write_weights(model, tokenizer, folder: Path, rank: int, final: bool,
+                  dtype: torch.dtype | None = None) -> None:
+    """The model folder's files (every rank calls it; rank 0 writes): safetensors gathered from FSDP
+    shards (in `dtype`, default the float32 master weights) and the tokenizer; under LoRA the
+    adapters, and in final/ the merged model too (lora.save_adapted)."""
     if lora.is_adapted(model):
         lora.save_adapted(model, tokenizer, folder, rank, merged=final)
         return
@@ -236,8 +284,25 @@ def write_weights(model, tokenizer, folder: Path, rank: int, final: bool) -> Non
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(model, options=options)
     if rank == 0:
-        model.save_pretrained(folder, state_dict=weights)
-        tokenizer.save_pretrained(folder)
+        save_weights(model, tokenizer, folder, weights, dtype)
+
+
+def save_weights(model, tokenizer, folder: Path, weights: dict, dtype: torch.dtype | None) -> None:
+    """save_pretrained of `weights`, floating tensors cast to `dtype` (tied ones stay one tensor)
+    and the config saying so, so from_pretrained(dtype="auto") loads them as they are."""
+    cast = {}
+    for k, v in weights.items():
+        if dtype is None or not v.is_floating_point():
+            continue
+        if v.data_ptr() not in cast:
+            cast[v.data_ptr()] = v.to(dtype)
+        weights[k] = cast[v.data_ptr()]
+    model.save_pretrained(folder, state_dict=weights)
+    if dtype is not None:  # save_pretrained wrote the dtype of the weights in memory
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype
+        config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def fsync(path: Path) -> None:

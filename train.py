@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
@@ -55,6 +57,7 @@ RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint."
              "reward.batch_budget", "model.gradient_checkpointing", "model.compile", "model.device",
              "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size")  # may change on --resume
 MAX = dist.ReduceOp.MAX
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's host
 
 
 class RunError(Exception):
@@ -144,10 +147,12 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir())
 
 
-def save(model, tokenizer, folder: Path, state: dict | None = None) -> None:
-    """rollout.save_model; a failure (a full disk, on any rank) is one line naming the newest intact checkpoint."""
+def save(model, tokenizer, folder: Path, state: dict | None = None, optimizer: dict | None = None,
+         dtype: torch.dtype | None = None) -> None:
+    """rollout.save_model; a failure (a full disk, on any rank) is one line naming the newest intact
+    checkpoint."""
     try:
-        save_model(model, tokenizer, folder, state)
+        save_model(model, tokenizer, folder, state, optimizer, dtype)
     except OSError as e:
         intact = checkpoints(folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent)
         where = f"{intact[-1]} is intact: free space, then --resume" if intact else "no checkpoint is intact"
@@ -155,27 +160,61 @@ def save(model, tokenizer, folder: Path, state: dict | None = None) -> None:
 
 
 def save_checkpoint(r: Run) -> None:
-    """checkpoints/step_N: the model, and per rank the run's progress, its replay buffer, RNG streams and optimizer
-    state (FSDP: its own shards, as plain local tensors; else rank 0's alone, the state being the same everywhere)."""
-    opt = r.optimizer.state_dict() if r.rank == 0 or r.sharded else None
-    if opt:
-        opt["state"] = {k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in s.items()}
-                        for k, s in opt["state"].items()}
-    state = {"replay": r.replay.state_dict(), "rng": rng_state(), "optimizer": opt, "world": r.world,
+    """checkpoints/step_N: the model; optimizer.pt, the whole optimizer state by parameter name
+    (rank 0 writes it); per rank the run's progress, its replay buffer and RNG streams. Any number
+    of processes resumes it."""
+    state = {"replay": r.replay.state_dict(), "rng": rng_state(), "world": r.world,
              "run": {**r.progress, "config": flat_dict(r.cfg)}}
-    save(r.model, r.tokenizer, r.out / "checkpoints" / f"step_{r.progress['step']:06d}", state)
+    folder = r.out / "checkpoints" / f"step_{r.progress['step']:06d}"
+    save(r.model, r.tokenizer, folder, state, optimizer_state(r))
     for old in checkpoints(r.out)[: -r.cfg.checkpoint.keep_last] if r.rank == 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def optimizer_state(r: Run) -> dict | None:
+    """The whole optimizer state keyed by parameter name, gathered from every rank's shards onto
+    rank 0's host ({} on the others), so any number of processes loads it. None before the first
+    optimizer step: torch's helper would take a zero step to create state, which shifts AdamW's bias
+    correction."""
+    if not all_ranks(float(bool(r.optimizer.state)), MAX):
+        return None
+    return get_optimizer_state_dict(r.model, r.optimizer, options=FULL)
+
+
+def load_optimizer(r: Run, ck: Path) -> None:
+    """optimizer.pt into the optimizer: rank 0 reads it, torch's helper sends every rank its part
+    (FSDP: its shards). No file: saved before the first optimizer step."""
+    if not (ck / "optimizer.pt").is_file():
+        return
+    full, error = {}, ""
+    if r.rank == 0:
+        try:
+            full = torch.load(ck / "optimizer.pt", weights_only=True)
+        except Exception as e:  # noqa: BLE001 -- truncated, empty or foreign: refused on every rank
+            error = f"{type(e).__name__}: {oneline(e, 120)}"
+    if all_ranks(float(bool(error)), MAX):
+        raise RunError(f"checkpoint {ck.name}: optimizer.pt is damaged ({error or 'on rank 0'})")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    set_optimizer_state_dict(r.model, r.optimizer, optim_state_dict=full, options=options)
+
+
+def trainer_state(path: Path) -> dict:
+    """One state_rank{r}.pt (tensors and plain values only)."""
+    state = torch.load(path, weights_only=True)
+    if not isinstance(state, dict) or not {"rng", "replay", "world", "run"} <= set(state):
+        raise ValueError("trainer state without its keys")
+    return state
+
+
 def read_state(ck: Path, rank: int) -> dict:
-    """This rank's trainer state from checkpoint `ck` (tensors and plain values only), its weights checked whole."""
+    """This rank's trainer state from checkpoint `ck`, its weights checked whole. A rank the saving
+    run did not have reads rank 0's (restore then re-splits the buffers)."""
     from safetensors import safe_open
 
     try:
-        state = torch.load(ck / f"state_rank{rank}.pt", weights_only=True)
-        if not isinstance(state, dict) or not {"rng", "replay", "world", "run"} <= set(state):
-            raise ValueError("trainer state without its keys")
+        state = trainer_state(ck / "state_rank0.pt")
+        if 0 < rank < state["world"]:
+            state = trainer_state(ck / f"state_rank{rank}.pt")
         for f in sorted(ck.glob("*.safetensors")) or [ck / "model.safetensors"]:
             with safe_open(f, "pt") as st:  # a truncated file fails here: its header promises more than there is
                 list(st.keys())
@@ -208,31 +247,39 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
 
 
 def restore(r: Run, ck: Path, state: dict) -> None:
-    """Continue the run saved in `ck` (its weights are loaded already): optimizer, buffer, RNG streams, progress."""
-    saved, step = state["run"]["config"], state["run"]["step"]
+    """Continue the run saved in `ck` (its weights are loaded already): optimizer, buffer, RNG
+    streams, progress. Saved by another number of processes: the buffers are merged and re-split
+    (Replay.load_split) and every RNG stream restarts from (seed, rank, step), so the run continues
+    from the same weights and optimizer state but samples differently than it would have."""
+    saved, step, world = state["run"]["config"], state["run"]["step"], state["world"]
     changed = sorted(k for k, v in flat_dict(r.cfg).items() if k in saved and saved[k] != v)
     if refused := [k for k in changed if not k.startswith(RESUMABLE)]:
         raise RunError(f"--resume: {', '.join(refused)} differ from the checkpoint's and change what its state means")
     if r.cfg.max_steps < step:
         raise RunError(f"--resume: max_steps ({r.cfg.max_steps}) is below the checkpoint's step ({step})")
-    if state["world"] != r.world:
-        raise RunError(f"checkpoint {ck.name} was written by {state['world']} processes; resume it with as many")
     if all_ranks(step, MAX) != all_ranks(step, dist.ReduceOp.MIN):  # ranks that disagree would deadlock later
         raise RunError(f"checkpoint {ck.name}: its per-rank state files are of different steps")
+    seed = r.cfg.seed + 7919 * step  # a new stream per step; ranks apart as at the start (+ rank)
     try:
-        r.optimizer.load_state_dict(state["optimizer"] if r.sharded or r.rank == 0 else read_state(ck, 0)["optimizer"])
-        for p, s in r.optimizer.state.items():  # FSDP: back to DTensor shards
-            for n, v in s.items():
-                if isinstance(p, DTensor) and v.dim() > 0 and not isinstance(v, DTensor):
-                    s[n] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
-                                              stride=p.stride())
-        r.replay.load_state_dict(state["replay"])
+        load_optimizer(r, ck)
+        if world == r.world:
+            r.replay.load_state_dict(state["replay"])
+        else:
+            parts = [trainer_state(ck / f"state_rank{i}.pt")["replay"] for i in range(world)]
+            r.replay.load_split(parts, r.rank, r.world, seed + r.rank)
     except (ValueError, KeyError, RuntimeError, TypeError) as e:
         raise RunError(f"checkpoint {ck.name} does not fit this run ({oneline(e, 200)})") from None
-    set_rng_state(state["rng"])
+    if world == r.world:
+        set_rng_state(state["rng"])
+    else:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed + r.rank)
     r.progress |= {k: v for k, v in state["run"].items() if k != "config"}
     if r.rank == 0:
-        print(f"resuming from {ck} (step {step})" + f"; changed: {', '.join(changed)}" * bool(changed), file=sys.stderr)
+        note = f"; changed: {', '.join(changed)}" * bool(changed)
+        note += f"; saved by {world} processes: buffers re-split, RNG reseeded" * (world != r.world)
+        print(f"resuming from {ck} (step {step}){note}", file=sys.stderr)
 
 
 def rng_state() -> dict:
@@ -302,9 +349,10 @@ class Run:
 
 
 def backend_map(device_type: str) -> str:
-    """The process group's backends. gloo serves host tensors: our own reductions (all_ranks, save_model's
-    failure flag, StopSignal, the replay buffers', restore's step check) and object collectives all run on CPU
-    tensors, which NCCL alone does not serve; an accelerator adds its own backend for the model's collectives."""
+    """The process group's backends. gloo serves host tensors: our own reductions (all_ranks,
+    save_model's failure flag, StopSignal, the replay buffers', restore's step check) and object
+    collectives all run on CPU tensors, which NCCL alone does not serve; an accelerator adds its own
+    backend for the model's collectives."""
     if device_type == "cpu":
         return "gloo"
     return f"cpu:gloo,{device_type}:{dist.Backend.default_device_backend_map[device_type]}"
@@ -569,7 +617,7 @@ def finish(r: Run, signum: int) -> int:
         where = f"--resume continues from {checkpoints(r.out)[-1].name}" if checkpoints(r.out) else "no checkpoint yet"
         print(f"\nstopped by {signal.Signals(signum).name} after step {p['step']}; {where}", file=sys.stderr)
         return 128 + signum
-    save(r.model, r.tokenizer, r.out / "final")
+    save(r.model, r.tokenizer, r.out / "final", dtype=getattr(torch, r.cfg.model.compute_dtype))
     if r.rank == 0:
         ev0, ev1 = p["eval_initial"], p["eval_last"]
         summary = {"strategy": r.cfg.replay.strategy, "seed": r.cfg.seed, "steps": r.cfg.max_steps,

@@ -1,10 +1,11 @@
-"""The real-scale distributed path on this CPU (issue 24): collectives under an accelerator's backend map, a
-checkpoint that resumes on another number of processes, the model loaded once per job, and memory per slot.
+"""The real-scale distributed path on this CPU (issue 24): collectives under an accelerator's
+backend map, a checkpoint that resumes on another number of processes, the model read once per job,
+RLEP's phase-I store, and the replay ring's bytes.
 
-  python -m pytest -q tests/test_distributed.py     # a few minutes on 2 CPU cores; torchrun, gloo, one thread each
+  python -m pytest -q tests/test_distributed.py   # minutes on 2 CPU cores; torchrun, gloo, 1 thread
 
-Under NCCL only CUDA tensors have a backend. gloo's "cuda:gloo" map is the same situation on a CPU: any
-collective on a host tensor fails with "No backend type associated with device type cpu".
+Under NCCL only CUDA tensors have a backend. gloo's "cuda:gloo" map is the same situation on a CPU:
+any collective on a host tensor fails with "No backend type associated with device type cpu".
 """
 
 import datetime
@@ -22,18 +23,51 @@ import torch.distributed as dist
 import train
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-       "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-TINY = ["--config", "configs/tiny.yaml", "--rollout.batch_size=16", "--rollout.group_size=4",
-        "--rollout.max_new_tokens=16", "--eval.n=8", "--eval.k=1", "--eval.every=0", "--checkpoint.every=1",
-        "--reward.no_answer=-1", "--threads=1", "--wandb.mode=disabled"]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(REPO),
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "WANDB_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+TINY = [
+    "--config",
+    "configs/tiny.yaml",
+    "--rollout.batch_size=16",
+    "--rollout.group_size=4",
+    "--rollout.max_new_tokens=16",
+    "--eval.n=8",
+    "--eval.k=1",
+    "--eval.every=0",
+    "--checkpoint.every=1",
+    "--reward.no_answer=-1",
+    "--threads=1",
+    "--wandb.mode=disabled",
+]
 
 
-def torchrun(n: int, *args: str, timeout: int = 400, ok: bool = True) -> subprocess.CompletedProcess:
+def torchrun(
+    n: int, *args: str, timeout: int = 400, ok: bool = True
+) -> subprocess.CompletedProcess:
     """n processes under torchrun; on a timeout the launcher and its workers are killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={n}",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -45,18 +79,78 @@ def torchrun(n: int, *args: str, timeout: int = 400, ok: bool = True) -> subproc
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def train_under(backend: str, *args: str) -> None:
-    """Under torchrun: the process group initialised with `backend`, then train.py's main (setup sees the group
-    and keeps it)."""
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
-    sys.exit(train.main(list(args)))
+def worker(opts: dict, args: list[str]) -> None:
+    """Under torchrun: train.py's main, the process group first initialised with opts["backend"]
+    (setup sees it and keeps it); with opts["probe"], what restore loaded is written there (see
+    `probe`)."""
+    if "backend" in opts:
+        dist.init_process_group(opts["backend"], timeout=datetime.timedelta(minutes=5))
+    if "probe" in opts:
+        restore = train.restore
+
+        def probed(r, ck, state):
+            restore(r, ck, state)
+            probe(r, Path(opts["probe"]))
+
+        train.restore = probed
+    if "loads" in opts:
+        count_loads(Path(opts["loads"]))
+    sys.exit(train.main(args))
 
 
-# ---------------------------------------------------------------------------------------------- backend map
+def count_loads(out: Path) -> None:
+    """Record, per rank, every from_pretrained of a model (the paths read) into out/loads<rank>.json
+    at exit."""
+    import atexit
+
+    import rollout
+
+    calls, read = [], rollout.AutoModelForCausalLM.from_pretrained
+
+    def counted(path, *a, **kw):
+        calls.append(str(path))
+        return read(path, *a, **kw)
+
+    def write():
+        (out / f"loads{os.environ['RANK']}.json").write_text(json.dumps(calls))
+
+    rollout.AutoModelForCausalLM.from_pretrained = counted
+    atexit.register(write)
+
+
+def probe(r, out: Path) -> None:
+    """Right after restore: rank 0 writes the whole weights and optimizer state (gathered as a
+    checkpoint gathers them); every rank its buffer's stored rows (prompt, birth step, tokens) and
+    its RNG state."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    weights = get_model_state_dict(r.model, options=train.FULL)
+    optim = train.optimizer_state(r)
+    if r.rank == 0:
+        torch.save({"weights": weights, "optimizer": optim}, out / "restored.pt")
+    rows = replay_rows(r.replay.state_dict())
+    (out / f"rows{r.rank}.json").write_text(json.dumps({"rows": rows, "rng": torch.rand(1).item()}))
+
+
+def replay_rows(d: dict) -> list:
+    """The stored rows of a replay state_dict as sortable [prompt, born, tokens] lists."""
+    slots = d["valid"].nonzero().squeeze(1).tolist()
+    return sorted(
+        [
+            int(d["prompt_idx"][s]),
+            int(d["born"][s]),
+            d["tokens"][i, : int(d["seq_len"][s])].tolist(),
+        ]
+        for i, s in enumerate(slots)
+    )
+
+
+# -------------------------------------------------------------------------------------- backend map
 
 
 def test_nccl_backend_map_registers_gloo_for_host_tensors(monkeypatch):
-    """On a GPU, setup initialises "cpu:gloo,cuda:nccl": host tensors go to gloo, CUDA tensors to NCCL."""
+    """On a GPU, setup initialises "cpu:gloo,cuda:nccl": host tensors go to gloo, CUDA tensors to
+    NCCL."""
     seen = []
 
     def init(backend, **kw):
@@ -75,23 +169,39 @@ def test_nccl_backend_map_registers_gloo_for_host_tensors(monkeypatch):
 
 
 def test_nccl_like_backend_map_without_cpu_fails_on_host_collectives(tmp_path):
-    """The control: with only an accelerator's backend registered (cuda:gloo here, as NCCL alone on a GPU), a
-    host-tensor collective fails (here the first is DDP's broadcast of the CPU-held weights; on a GPU it was
-    all_ranks after the step-0 eval), so the run below would see it if any of our collectives lacked gloo."""
-    r = torchrun(2, __file__, "--backend=cuda:gloo", *TINY, f"--out_dir={tmp_path / 'run'}", "--max_steps=1",
-                 ok=False)
+    """The control: with only an accelerator's backend registered (cuda:gloo here, as NCCL alone on
+    a GPU), a host-tensor collective fails (here the first is DDP's broadcast of the CPU-held
+    weights; on a GPU it was all_ranks after the step-0 eval), so the run below would see it if any
+    of our collectives lacked gloo."""
+    r = torchrun(
+        2,
+        __file__,
+        "--backend=cuda:gloo",
+        *TINY,
+        f"--out_dir={tmp_path / 'run'}",
+        "--max_steps=1",
+        ok=False,
+    )
     assert r.returncode != 0 and "No backend type associated with device type cpu" in r.stderr
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_nccl_backend_map_runs_setup_eval_step_checkpoint_resume(tmp_path, parallel):
-    """train.py's own map for a GPU, its accelerator backend played by gloo (NCCL needs a GPU): set-up, the
-    step-0 eval, steps with replay, checkpoints, a stop signal's agreement, --resume, final/."""
+    """train.py's own map for a GPU, its accelerator backend played by gloo (NCCL needs a GPU):
+    set-up, the step-0 eval, steps with replay, checkpoints, a stop signal's agreement, --resume,
+    final/."""
     backend = train.backend_map("cuda").replace("nccl", "gloo")
     assert backend == "cpu:gloo,cuda:gloo"
     out = tmp_path / "run"
-    common = [__file__, f"--backend={backend}", *TINY, f"--out_dir={out}", f"--model.parallel={parallel}",
-              "--replay.strategy=uniform", "--replay.ratio=0.25"]
+    common = [
+        __file__,
+        f"--backend={backend}",
+        *TINY,
+        f"--out_dir={out}",
+        f"--model.parallel={parallel}",
+        "--replay.strategy=uniform",
+        "--replay.ratio=0.25",
+    ]
     torchrun(2, *common, "--max_steps=1")
     assert (out / "checkpoints" / "step_000001").is_dir()
     r = torchrun(2, *common, "--max_steps=2", "--resume")
@@ -100,12 +210,13 @@ def test_nccl_backend_map_runs_setup_eval_step_checkpoint_resume(tmp_path, paral
     assert [x["step"] for x in rows] == [1, 2] and (out / "final").is_dir()
 
 
-# ---------------------------------------------------------------------------------------------- buffer memory
+# ------------------------------------------------------------------------------------ buffer memory
 
 
 def test_world_size_free_replay_state_holds_int32_ids_and_occupied_slots_only(tmp_path):
-    """The ring: 4 bytes per token id (int32) + 4 per log-prob = 8 bytes per position, from 12 (int64 ids); its
-    checkpoint state holds the occupied slots, cut to their longest row, and restores the same draws."""
+    """The ring: 4 bytes per token id (int32) + 4 per log-prob = 8 bytes per position, from 12
+    (int64 ids); its checkpoint state holds the occupied slots, cut to their longest row, and
+    restores the same draws."""
     import test_replay as tr
 
     C, L = 64, 100
@@ -121,19 +232,24 @@ def test_world_size_free_replay_state_holds_int32_ids_and_occupied_slots_only(tm
     loaded = torch.load(tmp_path / "replay.pt", weights_only=True)
     again = tr.buffer("uniform", ratio=0.5, capacity=C, max_len=L)
     again.load_state_dict(loaded)
-    assert torch.equal(again.rows.tokens, buf.rows.tokens) and again.rows.tokens.dtype == torch.int32
+    assert (
+        torch.equal(again.rows.tokens, buf.rows.tokens) and again.rows.tokens.dtype == torch.int32
+    )
     assert torch.equal(again.rows.behav_logp, buf.rows.behav_logp)
     fresh = tr.rollouts(4, born=2, seed=3)
     tr.assert_same(again.sample(fresh, 2), buf.sample(fresh, 2))  # the same rows drawn, bit for bit
-    assert (tmp_path / "replay.pt").stat().st_size < C * L * 8 / 3  # the whole ring's ids and log-probs: 51 kB
+    assert (
+        tmp_path / "replay.pt"
+    ).stat().st_size < C * L * 8 / 3  # the whole ring's ids and log-probs: 51 kB
 
 
-# ---------------------------------------------------------------------------------------------- RLEP phase I
+# ------------------------------------------------------------------------------------- RLEP phase I
 
 
 def phase_one_file(path: Path, rows_per_problem: int, suffix: list[int] | None = None) -> int:
-    """A phase-I file of `rows_per_problem` verified answers to every tiny training problem (distinct token
-    sequences: the answer, then 0..k-1 spaces, then the end token); returns its number of rows."""
+    """A phase-I file of `rows_per_problem` verified answers to every tiny training problem
+    (distinct token sequences: the answer, then 0..k-1 spaces, then the end token); returns its
+    number of rows."""
     from data.loaders import load_task
     from rollout import load_model
 
@@ -151,15 +267,21 @@ def phase_one_file(path: Path, rows_per_problem: int, suffix: list[int] | None =
 
 
 def test_phase_one_store_keeps_every_prompts_successes_past_capacity(tmp_path):
-    """Through train.py: 6,000 phase-I rows (3 per problem) and replay.capacity 64. Every group of every step
-    gets rlep_n = 2 stored successes (the ring capped at 64 rows evicted 5,936 of them and replayed 0, 0, 2
-    rows in these 3 steps, against 8, 8, 8 here); the checkpoint holds no phase-I row; a changed file refuses
-    --resume."""
+    """Through train.py: 6,000 phase-I rows (3 per problem) and replay.capacity 64. Every group of
+    every step gets rlep_n = 2 stored successes (the ring capped at 64 rows evicted 5,936 of them
+    and replayed 0, 0, 2 rows in these 3 steps, against 8, 8, 8 here); the checkpoint holds no
+    phase-I row; a changed file refuses --resume."""
     src = tmp_path / "phase1.jsonl"
     assert phase_one_file(src, 3) == 6000
     out = tmp_path / "run"
-    args = [*TINY, f"--out_dir={out}", "--replay.strategy=rlep", f"--replay.rlep_source={src}",
-            "--replay.capacity=64", "--replay.rlep_n=2"]
+    args = [
+        *TINY,
+        f"--out_dir={out}",
+        "--replay.strategy=rlep",
+        f"--replay.rlep_source={src}",
+        "--replay.capacity=64",
+        "--replay.rlep_n=2",
+    ]
     assert train.main([*args, "--max_steps=3"]) == 0
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     prompts_per_step = 16 // 4
@@ -183,5 +305,99 @@ def test_phase_one_store_refuses_a_row_it_would_cut(tmp_path, capsys):
     assert not out.exists()
 
 
-if __name__ == "__main__" and sys.argv[1].startswith("--backend="):
-    train_under(sys.argv[1].partition("=")[2], *sys.argv[2:])
+# --------------------------------------------------------------------------------------- world size
+
+
+@pytest.mark.parametrize(
+    "parallel,saved,resumed", [("ddp", 2, 1), ("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2)]
+)
+def test_world_size_change_resumes_the_same_weights_optimizer_and_buffer(
+    tmp_path, parallel, saved, resumed
+):
+    """A run saved by `saved` processes resumes on `resumed`: right after loading, the whole weights
+    and optimizer state equal the checkpoint's, every stored replay row is on exactly one rank, and
+    the run completes its steps (its RNG streams restart from (seed, rank, step): not the same
+    samples)."""
+    out = tmp_path / "run"
+    common = [
+        __file__,
+        *TINY,
+        f"--out_dir={out}",
+        f"--model.parallel={parallel}",
+        "--replay.strategy=uniform",
+        "--replay.ratio=0.25",
+    ]
+    torchrun(saved, *common, "--max_steps=2")
+    ck = out / "checkpoints" / "step_000002"
+    opt = torch.load(ck / "optimizer.pt", weights_only=True)
+    states = [torch.load(ck / f"state_rank{i}.pt", weights_only=True) for i in range(saved)]
+    assert all("optimizer" not in s for s in states) and not (ck / "state_rank2.pt").exists()
+    r = torchrun(resumed, *common, f"--probe={tmp_path}", "--max_steps=3", "--resume")
+    assert f"saved by {saved} processes: buffers re-split, RNG reseeded" in r.stderr
+    got = torch.load(tmp_path / "restored.pt", weights_only=True)
+    from safetensors.torch import load_file
+
+    weights = load_file(ck / "model.safetensors")
+    assert got["weights"].keys() >= weights.keys()
+    assert all(torch.equal(got["weights"][k], weights[k]) for k in weights)
+    assert json.dumps(got["optimizer"]["param_groups"]) == json.dumps(
+        opt["param_groups"]
+    )  # (tuples as lists)
+    assert got["optimizer"]["state"].keys() == opt["state"].keys() and opt["state"]
+    for k, s in opt["state"].items():
+        assert all(torch.equal(got["optimizer"]["state"][k][n], v) for n, v in s.items()), k
+    rows = [json.loads((tmp_path / f"rows{i}.json").read_text()) for i in range(resumed)]
+    before = sorted(x for s in states for x in replay_rows(s["replay"]))
+    assert len(before) > 0 and sorted(x for p in rows for x in p["rows"]) == before
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and (out / "final").is_dir()
+
+
+def test_world_size_final_is_written_in_the_compute_dtype(tmp_path):
+    """final/ holds the compute dtype (bf16: half the bytes); checkpoints keep the float32 master
+    weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    assert (
+        train.main([*TINY, f"--out_dir={out}", "--max_steps=1", "--model.compute_dtype=bfloat16"])
+        == 0
+    )
+    final, ck = (
+        load_file(out / "final" / "model.safetensors"),
+        load_file(out / "checkpoints" / "step_000001" / "model.safetensors"),
+    )
+    assert {v.dtype for v in final.values()} == {torch.bfloat16} and {
+        v.dtype for v in ck.values()
+    } == {torch.float32}
+    assert all(torch.equal(final[k], ck[k].to(torch.bfloat16)) for k in final)
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype="auto")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_world_size_2_reads_the_model_on_rank_0_only(tmp_path, parallel):
+    """Under torchrun every rank builds the model on the meta device; rank 0 alone reads the weights
+    (at the start, then from the checkpoint on --resume) and sends each rank its part; a resumed run
+    continues."""
+    out = tmp_path / "run"
+    common = [
+        __file__,
+        f"--loads={tmp_path}",
+        *TINY,
+        f"--out_dir={out}",
+        f"--model.parallel={parallel}",
+    ]
+    torchrun(2, *common, "--max_steps=1")
+    loads = [json.loads((tmp_path / f"loads{i}.json").read_text()) for i in range(2)]
+    assert loads == [["data/tiny_model"], []]
+    torchrun(2, *common, "--max_steps=2", "--resume")
+    loads = [json.loads((tmp_path / f"loads{i}.json").read_text()) for i in range(2)]
+    assert loads == [[str(out / "checkpoints" / "step_000001")], []]
+
+
+if __name__ == "__main__":
+    flags = [a for a in sys.argv[1:] if a.startswith(("--backend=", "--probe=", "--loads="))]
+    worker(dict(a[2:].split("=", 1) for a in flags), [a for a in sys.argv[1:] if a not in flags])

@@ -286,10 +286,11 @@ def check_rlep_mix(buf, mixed, fresh, n):
     for g in set(rows):  # fresh rows first within a group
         flags = mixed.replayed[mixed.group == g].tolist()
         assert flags == sorted(flags)
-    for b, s in enumerate(added.slot.tolist()):  # `slot` points at the ring's row (-1: phase I's store)
+    for b, s in enumerate(added.slot.tolist()):  # `slot` points at the ring's row (-1: phase I's)
         assert s >= 0 or buf.store is not None
+        n = added.seq_len[b]
         if s >= 0:
-            assert torch.equal(buf.rows.tokens[s, : added.seq_len[b]], added.tokens[b, : added.seq_len[b]])
+            assert torch.equal(buf.rows.tokens[s, :n], added.tokens[b, :n])
     return added
 
 
@@ -316,16 +317,17 @@ def test_rlep_phase_one_store_is_fixed(tmp_path):
     problems = [Problem(f"problem {i}", str(i), f"id{i}") for i in range(3)]
     prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
     src = tmp_path / "solutions.jsonl"
-    lines = [{"problem": "problem 0", "completion_ids": [20 + i, 30 + i, 2], "behav_logp": [-0.5, -0.25, -0.125]}
-             for i in range(4)]
+    lines = [{"problem": "problem 0", "completion_ids": [20 + i, 30 + i, 2],
+              "behav_logp": [-0.5, -0.25, -0.125]} for i in range(4)]
     lines.insert(2, {"prompt_idx": 1, "completion_ids": [40, 2], "behav_logp": [-1.0, -0.75]})
     src.write_text("".join(json.dumps(r) + "\n" for r in lines))
     (tmp_path / "solutions.jsonl.meta.json").write_text(json.dumps({"generated_tokens": 1234}))
-    buf = buffer("rlep", rlep_n=3, rlep_source=str(src), capacity=2)  # the ring's capacity does not apply
+    buf = buffer("rlep", rlep_n=3, rlep_source=str(src), capacity=2)  # the ring's: does not apply
     assert buf.start(problems, prompts, None, cfg) == 1234  # phase I's generation counts in the run's total
     store = buf.store
     assert len(buf) == len(store) == 5 and store.ids.dtype == torch.int32  # rows of prompt 0 first
-    assert [store.completion(i) for i in range(5)] == [[20, 30, 2], [21, 31, 2], [22, 32, 2], [23, 33, 2], [40, 2]]
+    want = [[20, 30, 2], [21, 31, 2], [22, 32, 2], [23, 33, 2], [40, 2]]
+    assert [store.completion(i) for i in range(5)] == want
     assert store.prompt_idx.tolist() == [0, 0, 0, 0, 1] and store.first.tolist() == [0, 4, 5, 5]
     row = store.rollouts(torch.tensor([4]), prompts, PAD, cfg.reward.correct)
     assert row.tokens[0].tolist() == [8, 9, 10, 40, 2] and row.behav_logp[0].tolist() == [0.0] * 5
