@@ -168,21 +168,35 @@ def test_nccl_backend_map_registers_gloo_for_host_tensors(monkeypatch):
     assert train.backend_map("cpu") == "gloo"
 
 
-def test_nccl_like_backend_map_without_cpu_fails_on_host_collectives(tmp_path):
-    """The control: with only an accelerator's backend registered (cuda:gloo here, as NCCL alone on
-    a GPU), a host-tensor collective fails (here the first is DDP's broadcast of the CPU-held
-    weights; on a GPU it was all_ranks after the step-0 eval), so the run below would see it if any
-    of our collectives lacked gloo."""
-    r = torchrun(
-        2,
-        __file__,
-        "--backend=cuda:gloo",
-        *TINY,
-        f"--out_dir={tmp_path / 'run'}",
-        "--max_steps=1",
-        ok=False,
-    )
-    assert r.returncode != 0 and "No backend type associated with device type cpu" in r.stderr
+def host_collectives(backend: str) -> None:
+    """Under torchrun: the trainer's host-tensor collectives (grpo.all_ranks, StopSignal.agreed)
+    under `backend`; prints what each did."""
+    import grpo
+
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
+    done = {}
+    for name, call in (
+        ("all_ranks", lambda: grpo.all_ranks(1.0)),
+        ("stop_signal", lambda: train.StopSignal().agreed()),
+    ):
+        try:
+            done[name] = f"ok {call()}"
+        except RuntimeError as e:
+            done[name] = str(e)
+    print(json.dumps(done))
+    dist.destroy_process_group()
+
+
+def test_nccl_like_backend_map_without_cpu_fails_on_host_collectives():
+    """The control: with only an accelerator's backend registered (cuda:gloo here, as NCCL alone
+    on a GPU), the trainer's host-tensor collectives fail; under train.py's map (the accelerator's
+    part played by gloo) they run."""
+    bare = torchrun(2, __file__, "--control=cuda:gloo").stdout.splitlines()
+    mapped = train.backend_map("cuda").replace("nccl", "gloo")
+    ok = torchrun(2, __file__, f"--control={mapped}").stdout.splitlines()
+    refused = "No backend type associated with device type cpu"
+    assert [json.loads(x) for x in bare] == [{"all_ranks": refused, "stop_signal": refused}] * 2
+    assert [json.loads(x) for x in ok] == [{"all_ranks": "ok 2.0", "stop_signal": "ok 0"}] * 2
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -398,6 +412,8 @@ def test_world_size_2_reads_the_model_on_rank_0_only(tmp_path, parallel):
     assert loads == [[str(out / "checkpoints" / "step_000001")], []]
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1].startswith("--control="):
+    host_collectives(sys.argv[1].partition("=")[2])
+elif __name__ == "__main__":
     flags = [a for a in sys.argv[1:] if a.startswith(("--backend=", "--probe=", "--loads="))]
     worker(dict(a[2:].split("=", 1) for a in flags), [a for a in sys.argv[1:] if a not in flags])
