@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import vllm_engine
 from grpo import GRPOConfig
 from lora import LoraConfig
 from replay import ReplayConfig
@@ -331,6 +332,9 @@ def validate(cfg: Config) -> None:
     for name in ("model", "data", "rollout", "reward", "grpo", "replay", "optim", "eval", "checkpoint", "wandb"):
         rules += [(f"{name}.{k}", ok, rule) for k, (ok, rule) in getattr(cfg, name).check().items()]
     rules += [("optim.minibatches", mb < 1 or prompts % mb == 0, f"a divisor of the prompts per step ({prompts})")]
+    vllm = cfg.rollout.engine != "vllm" or vllm_engine.available()
+    install = "hf when vLLM is not installed (pip install -r requirements-vllm.txt)"
+    rules += [("rollout.engine", vllm, install)]
     for key, ok, rule in rules:
         if not ok:
             value = cfg

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import compare
 import rewards
+import vllm_engine
 from data.loaders import NAMED, Problem, load_problems
 from rollout import RolloutConfig, end_ids, generate, load_model, prompt_ids
 
@@ -51,14 +52,18 @@ def maj_at_k(answers: list[str | None], correct: list[bool]) -> float:
 
 
 def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: RolloutConfig, reward_cfg,
-             stop: list[int], desc: str | None = None, keep: bool = False) -> list[dict]:
+             stop: list[int], desc: str | None = None, keep: bool = False, engine=None,
+             key: tuple = ()) -> list[dict]:
     """Sample `sampling.group_size` completions per prompt (token ids) and verify them against `golds`. One record per
     prompt: correctness, extracted answers, token counts, truncation and sampling entropy per sample (and, if
-    `keep`, the completions with their token ids and behaviour log-probs). A tqdm bar if `desc`."""
+    `keep`, the completions with their token ids and behaviour log-probs). A tqdm bar if `desc`.
+    With a vllm_engine.Engine `engine` it samples (requests seeded from `key`); `model` then
+    measures entropies."""
     k, records = sampling.group_size, []
     per_call = max(1, sampling.gen_batch_size // k)  # prompts per generate call: ~gen_batch_size sequences
     for start in tqdm(range(0, len(prompts), per_call), desc=desc, disable=desc is None):
-        ro, texts = generate(model, tokenizer, prompts[start : start + per_call], sampling, stop)
+        chunk = prompts[start : start + per_call]
+        ro, texts = sample(model, tokenizer, chunk, sampling, stop, engine, (*key, start))
         gold = [g for g in golds[start : start + per_call] for _ in range(k)]
         _, correct, _ = rewards.score_batch(texts, gold, reward_cfg)
         for j in range(len(texts) // k):
@@ -73,6 +78,16 @@ def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: 
                 records[-1] |= {"completions": [texts[i] for i in rows], "behav_logp": [ro.behav_logp[i, c].tolist()
                                 for i, c in comp], "ids": [ro.tokens[i, c].tolist() for i, c in comp]}
     return records
+
+
+def sample(model, tokenizer, prompts, sampling, stop, engine, key) -> tuple:
+    """HF generate, or the engine (then the model measures a sampling entropy it cannot give)."""
+    if engine is None:
+        return generate(model, tokenizer, prompts, sampling, stop)
+    ro, texts = engine.generate(tokenizer, prompts, sampling, stop, key=key)
+    device = next(model.parameters()).device
+    vllm_engine.fill_entropy(ro, model, sampling.temperature, device)
+    return ro, texts
 
 
 METRICS = ["accuracy", "pass@k", "maj@k", "response_len", "truncation_rate", "entropy"]
@@ -155,12 +170,17 @@ def run_eval(args) -> None:
     sampling = RolloutConfig(group_size=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.batch_size)
     torch.manual_seed(args.seed)
-    results, records = {}, {}
+    results, records, prompts = {}, {}, {}
     for name, problems in benchmarks.items():
-        prompts = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template, args.system_prompt)
-                   for p in problems]
-        records[name] = evaluate(model.to(device), tokenizer, prompts, [p.answer for p in problems], sampling,
-                                 rewards.RewardConfig(), stop, desc=name, keep=bool(args.save_correct))
+        prompts[name] = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template,
+                                    args.system_prompt) for p in problems]
+    engine = make_engine(args, sampling, dtype, device, prompts)
+    for name, problems in benchmarks.items():
+        golds = [p.answer for p in problems]
+        records[name] = evaluate(model.to(device), tokenizer, prompts[name], golds, sampling,
+                                 rewards.RewardConfig(), stop, desc=name,
+                                 keep=bool(args.save_correct), engine=engine,
+                                 key=("eval.py", args.seed, name))
         [r.update(id=p.id) for p, r in zip(problems, records[name])]
         results[name] = summarize(records[name])
     if args.save_correct:
@@ -178,6 +198,20 @@ def run_eval(args) -> None:
     except OSError as e:
         fail(f"cannot write {out / 'results.json'}: {e.strerror}")
     print(f"\nwrote {out / 'results.json'}")
+
+
+def make_engine(args, sampling: RolloutConfig, dtype, device: str, prompts: dict):
+    """--engine vllm: an engine on --model, long enough for every prompt and --max-new-tokens."""
+    if args.engine == "hf":
+        return None
+    if not vllm_engine.available():
+        fail("--engine vllm needs vLLM (pip install -r requirements-vllm.txt)")
+    longest = max(len(p) for ps in prompts.values() for p in ps) + args.max_new_tokens
+    try:
+        return vllm_engine.Engine(args.model, sampling, dtype, torch.device(device), longest,
+                                  args.trust_remote_code)
+    except (ValueError, RuntimeError, OSError) as e:
+        fail(f"--engine vllm: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
 
 def save_correct(path: str, problems: list[Problem], records: list[dict], meta: dict) -> int:
@@ -226,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--system-prompt", default="", help="system turn of the chat template (empty = none)")
     g.add_argument("--stop-tokens", default="", help="comma-separated extra end tokens")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="what samples: HF generate or vLLM (requirements-vllm.txt)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--save-correct", metavar="JSONL", help="write every verified-correct completion (RLEP phase I)")
     g.add_argument("--overwrite", action="store_true", help="replace existing results")

@@ -54,6 +54,11 @@ clip against the sampling policy, k3 KL to a reference with beta > 0):
    optimizer step whose output-layer (lm_head) gradient norm exceeds gate × that of the step's
    first optimizer step is dropped before AdamW sees it, and the step's remaining passes are not
    run (`OutputGrad` says how the norm is measured, `Gate` why that reference).
+12. Fresh rows sampled by an inference engine (rollout.engine = vllm) are not exactly on-policy:
+   its kernels differ from the training forward's. With grpo.engine_is_cap = C > 0 their tokens get
+   the truncated importance weight w_it = min(π_prox,it / μ_it, C), detached (TRL's vLLM
+   importance-sampling correction; off by default: the mismatch measured on a CPU is ~5e-5 nats at
+   most, rollout/logp_gap_max). With top_p < 1 the weight also carries departure 3's top-p bias.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class GRPOConfig:
     """C in min(π_prox/μ, C), decoupled mode only"""
     beta: float = 0.0
     """k3 KL weight; the reference model is not even loaded when 0"""
+    engine_is_cap: float = 0.0
+    """fresh rows of rollout.engine=vllm: × min(π_prox/μ, C), C this (0 = off; departure 12)"""
 
     def check(self) -> dict[str, tuple[bool, str]]:
         return {"adv_scale": (self.adv_scale in ("group", "batch", "none"), "group, batch or none"),
@@ -98,7 +105,9 @@ class GRPOConfig:
                 "offpolicy": (self.offpolicy in ("behaviour", "decoupled", "shaped"), "behaviour, decoupled or shaped"),
                 "eps_low": (0 <= self.eps_low < 1, "in [0, 1)"), "eps_high": (0 <= self.eps_high < 100, "in [0, 100)"),
                 "dual_clip": (self.dual_clip == 0 or 1 < self.dual_clip < 1e6, "0 (off) or > 1"),
-                "is_cap": (1 <= self.is_cap < 1e6, "≥ 1"), "beta": (0 <= self.beta < 1e6, "≥ 0")}
+                "is_cap": (1 <= self.is_cap < 1e6, "≥ 1"), "beta": (0 <= self.beta < 1e6, "≥ 0"),
+                "engine_is_cap": (self.engine_is_cap == 0 or 1 <= self.engine_is_cap < 1e6,
+                                  "0 (off) or ≥ 1")}
 
 
 def group_advantages(rewards: Tensor, group: Tensor, scale: str = "group", eps: float = 1e-6) -> tuple[Tensor, dict]:
@@ -206,12 +215,15 @@ def completion_logprobs(model, tokens: Tensor, prompt_len: Tensor, seq_len: Tens
 
 def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor, onpolicy: Tensor,
                 cfg: GRPOConfig, *, n_seqs: int, n_tokens: int, max_new_tokens: int, prox_logp: Tensor | None = None,
-                ref_logp: Tensor | None = None, entropy: Tensor | None = None) -> tuple[Tensor, dict]:
+                ref_logp: Tensor | None = None, entropy: Tensor | None = None,
+                engine_rows: Tensor | None = None) -> tuple[Tensor, dict]:
     """Clipped GRPO loss of one micro-batch (per-token objective in the module docstring) and its metrics.
 
     logp (B, L) current policy, with grad; behav_logp (B, L) stored μ; prox_logp (B, L) π at the start of the step,
     None → logp.detach(), exact when each batch gets one optimizer step (the weights have not moved yet); advantages
-    (B,); mask (B, L) completion tokens; onpolicy (B,) rows whose μ is by definition π_prox (base = π_prox, w = 1).
+    (B,); mask (B, L) completion tokens; onpolicy (B,) rows whose μ is by definition π_prox
+    (base = π_prox, w = 1); engine_rows (B,) fresh rows an inference engine sampled
+    (× min(π_prox/μ, engine_is_cap) when that is on).
     n_seqs and n_tokens count the WHOLE optimizer batch, so summing this loss over micro-batches gives the full loss:
         grpo: Σ_i (Σ_t L_it / |o_i|) / n_seqs    dapo: Σ_it L_it / n_tokens
         dr_grpo: Σ_it L_it / (n_seqs · max_new_tokens)
@@ -240,6 +252,9 @@ def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tens
     if cfg.offpolicy == "shaped":  # ExGRPO: replayed tokens get −A·r/(r + 0.1), r against μ, no clip
         pg = torch.where(fresh, pg, -A * ratio / (ratio + 0.1))
     per_tok = w * pg  # (B, L)
+    engine_w = _engine_weight(prox, behav, engine_rows, cfg.engine_is_cap)  # (B, L) or None
+    if engine_w is not None:
+        per_tok = engine_w * per_tok
     if cfg.beta > 0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
@@ -264,7 +279,17 @@ def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tens
                    "is_weight_min": raw_w[m].min() if m.any() else torch.tensor(math.inf)}
         metrics |= {"entropy": total(entropy)} if entropy is not None else {}
         metrics |= {"kl_ref": total(kl.detach())} if cfg.beta > 0 else {}
+        if engine_w is not None:
+            metrics["engine_is_weight_mean"] = total(engine_w)
     return loss, metrics
+
+
+def _engine_weight(prox: Tensor, behav: Tensor, rows: Tensor | None, cap: float) -> Tensor | None:
+    """(B, L) min(π_prox/μ, cap) on `rows` (B,), 1 elsewhere, detached; None when off."""
+    if rows is None or cap <= 0:
+        return None
+    w = (prox.detach() - behav).exp().clamp(max=cap)  # (B, L)
+    return torch.where(rows.bool()[:, None], w, 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------- the update
@@ -446,6 +471,8 @@ def _update(cfg, model, policy, optimizer, batch, device, compute, ref, gate) ->
         prox = no_grad_logprobs(model, batch, cfg, compute, device)[0] if reuse else None
     with timed(times, "ref_logprobs"):
         ref_lp = no_grad_logprobs(ref, batch, cfg, compute, device)[0] if ref is not None else None
+    fresh = batch.completion_mask() & ~batch.replayed[:, None]  # (B, L) sampled for this step
+    gaps = [logp_gap(prox, batch.behav_logp, fresh)] if prox is not None else []
     steps, reasons, entropy = [], [], torch.full((len(batch),), math.nan)
     for epoch, rows in minibatch_plan(len(batch), cfg.optim):  # the same steps on every rank
         rows = rows[trained[rows]]
@@ -471,12 +498,15 @@ def _update(cfg, model, policy, optimizer, batch, device, compute, ref, gate) ->
                         logp, mu.behav_logp.to(device), mu.advantage.to(device), mask, mu.onpolicy.to(device), cfg.grpo,
                         n_seqs=max(1, int(total[0])), n_tokens=max(1, int(total[1])), entropy=ent,
                         max_new_tokens=cfg.rollout.max_new_tokens,
+                        engine_rows=engine_rows(cfg, mu, device),
                         prox_logp=None if old is None else old[idx, :cols].to(device),
                         ref_logp=None if ref_lp is None else ref_lp[idx, :cols].to(device))
                     if total[2] > 0:
                         (loss * (world if j < len(micro) else 0.0)).backward()
                 if j < len(micro):
                     entropy[idx] = ((ent * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
+                    if prox is None:  # one optimizer step: this forward is at the sampling weights
+                        gaps.append(logp_gap(logp, mu.behav_logp, fresh[idx, :cols]))
                     hi = torch.maximum(hi, m.pop("is_weight_max").cpu())
                     lo = torch.minimum(lo, m.pop("is_weight_min").cpu())
                     sums = {k: sums.get(k, 0.0) + v.double().cpu() for k, v in m.items()}
@@ -493,10 +523,36 @@ def _update(cfg, model, policy, optimizer, batch, device, compute, ref, gate) ->
     ratios = [s.get("optim/lm_head_grad_ratio_max", 0.0) for s in steps[cfg.optim.minibatches:]]
     if ratios:  # the largest ratio the gate compared, not their mean
         metrics["optim/lm_head_grad_ratio_max"] = max(ratios)
+    metrics |= _gap_metrics(gaps)
     applied = [s for s, why in zip(steps, reasons) if why != "gated"]
     return metrics | {"tokens": sum(s.get("tokens", 0.0) for s in applied),
                       "optim/epochs_run": len(applied) / cfg.optim.minibatches,
                       "optim/gated": float("gated" in reasons)}, entropy, reasons, times
+
+
+def logp_gap(logp: Tensor, behav_logp: Tensor, mask: Tensor) -> Tensor:
+    """(3,) float64: sum, count and max of |trainer − behaviour log-prob| over `mask` (B, L)."""
+    gap = (logp.detach().double().cpu() - behav_logp.double()).abs()[mask.cpu()]  # (n,)
+    top = gap.max() if len(gap) else torch.tensor(0.0, dtype=torch.float64)
+    return torch.stack([gap.sum(), torch.tensor(float(len(gap)), dtype=torch.float64), top])
+
+
+def _gap_metrics(gaps: list[Tensor]) -> dict:
+    """rollout/logp_gap_mean and _max over every rank's fresh tokens that were run (NaN when none
+    was): the training-inference mismatch at the weights that sampled them."""
+    g = torch.stack(gaps) if gaps else torch.zeros(1, 3, dtype=torch.float64)  # (n, 3)
+    total = all_ranks(g[:, :2].sum(0))
+    top = all_ranks(g[:, 2].max(), dist.ReduceOp.MAX if dist.is_initialized() else None)
+    mean = (total[0] / total[1]).item() if total[1] > 0 else math.nan
+    top = float(top) if total[1] > 0 else math.nan
+    return {"rollout/logp_gap_mean": mean, "rollout/logp_gap_max": top}
+
+
+def engine_rows(cfg, rows, device) -> Tensor | None:
+    """(B,) the fresh rows of `rows` when an inference engine sampled them (departure 12)."""
+    if cfg.rollout.engine == "hf":
+        return None
+    return (~rows.replayed).to(device)
 
 
 def _optimizer_step(cfg, model, optimizer, sums: dict, hi: Tensor, lo: Tensor, any_signal: bool,

@@ -54,6 +54,14 @@ class RolloutConfig:
     """Leave truncated rows out of the loss (DAPO's overlong filtering); they still count in their group's advantage."""
     dynamic_sampling: int = 0
     """DAPO's dynamic sampling: up to this many generation rounds a step, keeping groups with a reward spread."""
+    engine: str = "hf"
+    """What samples: `hf` (HF generate, the reference loop) or `vllm` (vllm_engine.py)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm, GPU: share of GPU memory the engine may take for weights and KV cache (vLLM's)."""
+    vllm_kv_cache_gb: float = 0.0
+    """vllm: KV cache in GiB (0 = from vllm_gpu_memory_utilization on a GPU, 1 GiB on a CPU)."""
+    vllm_sleep: bool = True
+    """vllm, GPU: sleep mode (KV cache freed, weights offloaded) during the update; CPU: no-op."""
 
     def check(self) -> dict[str, tuple[bool, str]]:
         G, n = self.group_size, self.batch_size
@@ -62,7 +70,11 @@ class RolloutConfig:
                 "max_new_tokens": (self.max_new_tokens > 0, "> 0"), "temperature": (0 < self.temperature < 1e6, "> 0"),
                 "top_p": (0 < self.top_p <= 1, "in (0, 1]"), "top_k": (self.top_k >= 0, "≥ 0 (0 = off)"),
                 "gen_batch_size": (self.gen_batch_size > 0, "> 0"),
-                "dynamic_sampling": (self.dynamic_sampling >= 0, "≥ 0 (0 = off)")}
+                "dynamic_sampling": (self.dynamic_sampling >= 0, "≥ 0 (0 = off)"),
+                "engine": (self.engine in ("hf", "vllm"), "hf or vllm"),
+                "vllm_gpu_memory_utilization": (0 < self.vllm_gpu_memory_utilization <= 1,
+                                                "in (0, 1]"),
+                "vllm_kv_cache_gb": (0 <= self.vllm_kv_cache_gb < 1e6, "≥ 0 (0 = automatic)")}
 
 
 DTYPES = dict.fromkeys(("reward", "advantage", "entropy"), torch.float32) | dict.fromkeys(

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import grpo
+import vllm_engine
 from config import Config, ConfigError, flat_dict, load_config, save_config, validate
 from data.loaders import load_task, prompt_order
 from eval import evaluate, summarize
@@ -55,7 +56,8 @@ RUN_FILES = {".run", ".lock", ".overwritten", "config.yaml", "metrics.jsonl", "s
              "wandb", "eval"}  # what runs write in out_dir: all --overwrite may set aside
 RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint.", "reward.workers", "reward.timeout",
              "reward.batch_budget", "model.gradient_checkpointing", "model.compile", "model.device",
-             "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size")  # may change on --resume
+             "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size",
+             "rollout.vllm_")  # may change on --resume
 MAX = dist.ReduceOp.MAX
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's host
 
@@ -346,6 +348,9 @@ class Run:
     log: object = None  # rank 0's: metrics.jsonl open for appending, the out_dir lock, the wandb run
     lock: object = None
     wandb: object = None
+    engine: object = None  # rollout.engine=vllm: this rank's vllm_engine.Engine
+    optimizer_steps: int = 0  # taken in this process; the engine holds those after `synced_at`
+    synced_at: int = -1
 
 
 def backend_map(device_type: str) -> str:
@@ -410,6 +415,7 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     r = Run(cfg, out, rank, world, device, model, policy, tokenizer, ref, compute, optimizer, replay, prompts,
             [p.answer for p in problems], eval_prompts, [p.answer for p in eval_problems], stop,
             sharded=any(isinstance(p, DTensor) for p in model.parameters()))
+    r.engine = start_engine(r, path)
     try:
         r.progress["source_tokens"] = replay.start(problems, prompts, tokenizer, cfg, lambda rows: row_entropy(r, rows))
     except (ValueError, OSError) as e:
@@ -420,6 +426,33 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
         r.log = open_log(r, ck is not None)
     dist.barrier() if dist.is_initialized() else None
     return r
+
+
+def start_engine(r: Run, path: str):
+    """rollout.engine=vllm: this rank's engine, loaded from `path` (its weights are replaced before
+    sampling), long enough for the longest prompt and completion of training and eval."""
+    if r.cfg.rollout.engine != "vllm":
+        return None
+    new_tokens = max(r.cfg.rollout.max_new_tokens, r.cfg.eval.max_new_tokens)
+    longest = max(map(len, r.prompts + r.eval_prompts)) + new_tokens
+    dtype = torch.bfloat16 if r.cfg.model.compute_dtype == "bfloat16" else torch.float32
+    try:
+        return vllm_engine.Engine(path, r.cfg.rollout, dtype, r.device, longest,
+                                  r.cfg.model.trust_remote_code)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise RunError(f"rollout.engine=vllm: {type(e).__name__}: {oneline(e)}") from None
+
+
+def sync_engine(r: Run, t: dict) -> None:
+    """Before a generation phase: the engine gets the policy's weights, one parameter at a time
+    (FSDP: each gathered whole on its own), unless no optimizer step was taken since the last."""
+    if r.engine is None:
+        return
+    with timed(t, "weight_sync"):
+        if r.synced_at != r.optimizer_steps:
+            dtype = torch.bfloat16 if r.cfg.model.compute_dtype == "bfloat16" else torch.float32
+            r.engine.sync(vllm_engine.full_parameters(r.model, dtype))
+            r.synced_at = r.optimizer_steps
 
 
 def open_log(r: Run, resumed: bool):
@@ -454,16 +487,18 @@ def row_entropy(r: Run, rows: Rollouts) -> torch.Tensor:
     return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]  # (no rows: a stand-in ran, its value is dropped)
 
 
-def run_eval(r: Run) -> dict:
+def run_eval(r: Run, t: dict | None = None) -> dict:
     """Held-out eval: each rank samples its share of the prompts from its own fixed seed (how often we evaluate never
     changes training randomness); every rank gets the summary over all of them."""
     e = r.cfg.eval
     sampling = replace(r.cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p, top_k=0,
                        max_new_tokens=e.max_new_tokens or r.cfg.rollout.max_new_tokens)
+    sync_engine(r, {} if t is None else t)
     with torch.random.fork_rng(devices=[r.device] if r.device.type == "cuda" else []), full_weights(r.model, r.compute):
         torch.manual_seed(r.cfg.seed + r.rank)
         records = evaluate(r.model, r.tokenizer, r.eval_prompts[r.rank :: r.world], r.eval_golds[r.rank :: r.world],
-                           sampling, r.cfg.reward, r.stop)
+                           sampling, r.cfg.reward, r.stop, engine=r.engine,
+                           key=("eval", r.cfg.seed, r.rank))
     if dist.is_initialized():
         parts = [None] * r.world
         dist.all_gather_object(parts, records)
@@ -490,6 +525,8 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
         raise
     finally:
         [f.close() for f in (r.log, r.lock) if f is not None]
+        if r.engine is not None:  # first: vLLM tears down its groups (and a world it made)
+            r.engine.close()
         dist.destroy_process_group() if dist.is_initialized() else None
 
 
@@ -503,6 +540,8 @@ def loop(r: Run) -> int:
     for step in bar:
         t, at_start = {}, (rng_state(), p["data_pos"])
         fresh, rounds, generated = rollout(r, step, t)  # 1-2. rollout and reward
+        if r.engine is not None:  # GPU: the KV cache is freed while the trainer needs the memory
+            r.engine.sleep()
         if signals.agreed():  # stop before anything of this step is kept: a checkpoint now is this step's start
             set_rng_state(at_start[0])
             p["data_pos"] = at_start[1]
@@ -520,13 +559,14 @@ def loop(r: Run) -> int:
         update, entropy, skipped, times = grpo.update_policy(cfg, r.model, r.policy, r.optimizer, batch, r.device,
                                                              r.compute, r.ref)
         t |= times
+        r.optimizer_steps += sum(reason is None for reason in skipped)
         with timed(t, "replay_push"):  # 6. Replay push: the batch after the update, with each row's entropy now
             r.replay.push(batch, step, entropy)
         # 7. Log one line; 8. eval every eval.every steps and at the end; 9. checkpoint every checkpoint.every steps.
         row = log_row(r, step, fresh, batch, update, skipped, {**adv_metrics, **rounds, **r.replay.metrics()}, t)
         if (cfg.eval.every and (step + 1) % cfg.eval.every == 0) or step + 1 == cfg.max_steps:
             with timed(t, "eval"):
-                p["eval_last"] = run_eval(r)
+                p["eval_last"] = run_eval(r, t)
             row |= {f"eval/{k}": v for k, v in p["eval_last"].items()} | {"time/eval": t["eval"]}
         p["step"], p["wall"] = step + 1, time.time() - t_run
         write_row(r, row | {"wall_seconds": p["wall"]})
@@ -548,13 +588,13 @@ def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
     cfg, p, G, R = r.cfg, r.progress, r.cfg.rollout.group_size, max(1, r.cfg.rollout.dynamic_sampling)
     n, kept, spare, generated = cfg.rollout.batch_size // G, [], [], 0
     for rnd in range(R):
+        sync_engine(r, t)
         with timed(t, "generate"):
             idx = prompt_order(len(r.prompts), p["data_pos"], n, cfg.seed)[r.rank :: r.world]
             idx, counts = r.replay.plan(idx, G, step) if rnd == 0 else (idx, [G] * len(idx))
             p["data_pos"] += n
             with full_weights(r.model, r.compute):
-                fresh, texts = generate(r.model, r.tokenizer, [r.prompts[i] for i in idx], cfg.rollout, r.stop, idx,
-                                        step, counts, group0=(step * R + rnd) * n)
+                fresh, texts = sample(r, idx, step, counts, (step * R + rnd) * n, rnd)
             generated += int(all_ranks(float(fresh.completion_len.sum())))
         with timed(t, "reward"):
             rewards, correct, metrics = score_batch(texts, [r.golds[i] for i in fresh.prompt_idx.tolist()], cfg.reward)
@@ -573,6 +613,20 @@ def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
     metrics |= {"dynamic/rounds": rnd + 1.0, "dynamic/capped": float(capped),
                 "dynamic/groups_dropped": float(fresh.group.unique().numel() - len(use))}
     return fresh.select(torch.isin(fresh.group, use)), metrics, generated
+
+
+def sample(r: Run, idx: list, step: int, counts: list, group0: int, rnd: int) -> tuple:
+    """(Rollouts, texts) of training prompts `idx`: HF generate, or the engine (seeded per request
+    from the run's seed, step, round and rank; an entropy it cannot give is measured here)."""
+    prompts = [r.prompts[i] for i in idx]
+    if r.engine is None:
+        return generate(r.model, r.tokenizer, prompts, r.cfg.rollout, r.stop, idx, step, counts,
+                        group0=group0)
+    key = ("train", r.cfg.seed, step, rnd, r.rank)
+    ro, texts = r.engine.generate(r.tokenizer, prompts, r.cfg.rollout, r.stop, idx, step, counts,
+                                  group0, key)
+    vllm_engine.fill_entropy(ro, r.model, r.cfg.rollout.temperature, r.device)
+    return ro, texts
 
 
 def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, skipped: list, local: dict,

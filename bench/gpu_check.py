@@ -103,9 +103,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak memory {peak:.1f} GB" + (f" (bench/memory_plan.py estimate {est:.1f} GB)" if est else ""))
     print(f"one AdamW step at lr 1e-6 moved {100 * moved:.2f} % of the weights with a non-zero gradient (need ≥ 99 %)")
     print(f"largest |behaviour - training| log-prob in bf16: {gap:.3f} (bound {a.max_gap})")
+    engines(path, prompts, a, device)
     ok = moved >= 0.99 and gap <= a.max_gap
     print("gpu_check: OK" if ok else "gpu_check: FAILED")
     return 0 if ok else 1
+
+
+def engines(path: str, prompts: list, a, device: torch.device) -> None:
+    """With vLLM installed: generation tokens/s of HF generate and vLLM, same prompts, bf16."""
+    import vllm_engine
+
+    if device.type != "cuda" or not vllm_engine.available():  # (on a CPU: bench/engine_compare.py)
+        print("vllm: not measured (needs a GPU and vLLM installed)")
+        return
+    from engine_compare import compare
+
+    r = compare(path, prompts, a.group_size, a.max_new_tokens, device, torch.bfloat16)
+    print(f"generation, same prompts and lengths: hf {r['hf']:.0f}, vllm {r['vllm']:.0f} tokens/s "
+          f"(vllm / hf {r['ratio']:.2f})")
 
 
 def sync(device: torch.device) -> None:
