@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import grpo
+import lora
 import vllm_engine
 from config import Config, ConfigError, flat_dict, load_config, save_config, validate
 from data.loaders import load_task, prompt_order
@@ -415,7 +416,7 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     r = Run(cfg, out, rank, world, device, model, policy, tokenizer, ref, compute, optimizer, replay, prompts,
             [p.answer for p in problems], eval_prompts, [p.answer for p in eval_problems], stop,
             sharded=any(isinstance(p, DTensor) for p in model.parameters()))
-    r.engine = start_engine(r, path)
+    r.engine = start_engine(r)
     try:
         r.progress["source_tokens"] = replay.start(problems, prompts, tokenizer, cfg, lambda rows: row_entropy(r, rows))
     except (ValueError, OSError) as e:
@@ -428,16 +429,17 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     return r
 
 
-def start_engine(r: Run, path: str):
-    """rollout.engine=vllm: this rank's engine, loaded from `path` (its weights are replaced before
-    sampling), long enough for the longest prompt and completion of training and eval."""
+def start_engine(r: Run):
+    """rollout.engine=vllm: this rank's engine, loaded from model.path (a checkpoint may hold LoRA
+    adapters alone; the policy's weights replace these before sampling), long enough for the
+    longest prompt and completion of training and eval."""
     if r.cfg.rollout.engine != "vllm":
         return None
     new_tokens = max(r.cfg.rollout.max_new_tokens, r.cfg.eval.max_new_tokens)
     longest = max(map(len, r.prompts + r.eval_prompts)) + new_tokens
     dtype = torch.bfloat16 if r.cfg.model.compute_dtype == "bfloat16" else torch.float32
     try:
-        return vllm_engine.Engine(path, r.cfg.rollout, dtype, r.device, longest,
+        return vllm_engine.Engine(r.cfg.model.path, r.cfg.rollout, dtype, r.device, longest,
                                   r.cfg.model.trust_remote_code)
     except (ValueError, RuntimeError, OSError) as e:
         raise RunError(f"rollout.engine=vllm: {type(e).__name__}: {oneline(e)}") from None
@@ -445,13 +447,18 @@ def start_engine(r: Run, path: str):
 
 def sync_engine(r: Run, t: dict) -> None:
     """Before a generation phase: the engine gets the policy's weights, one parameter at a time
-    (FSDP: each gathered whole on its own), unless no optimizer step was taken since the last."""
+    (FSDP: each gathered whole on its own; LoRA: each with its adapter merged in), unless no
+    optimizer step was taken since the last."""
     if r.engine is None:
         return
     with timed(t, "weight_sync"):
         if r.synced_at != r.optimizer_steps:
             dtype = torch.bfloat16 if r.cfg.model.compute_dtype == "bfloat16" else torch.float32
-            r.engine.sync(vllm_engine.full_parameters(r.model, dtype))
+            if r.cfg.model.lora.rank > 0:
+                weights = vllm_engine.cast(lora.merged_weights(r.model), dtype)
+            else:
+                weights = vllm_engine.full_parameters(r.model, dtype)
+            r.engine.sync(weights)
             r.synced_at = r.optimizer_steps
 
 

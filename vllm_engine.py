@@ -257,6 +257,12 @@ def fill_entropy(rows: Rollouts, model, temperature: float, device) -> None:
         rows.entropy = sampling_entropy(model, rows, temperature, device)
 
 
+def cast(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator:
+    """The same (name, tensor) pairs in `dtype`, one at a time (e.g. lora.merged_weights)."""
+    for name, tensor in weights:
+        yield name, tensor.to(dtype)
+
+
 @torch.no_grad()
 def sampling_entropy(
     model, rows: Rollouts, temperature: float, device, chunk: int = 64
