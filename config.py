@@ -123,6 +123,8 @@ class OptimConfig:
     """0 = off; else drop a reuse step with lm_head grad norm > gate × the first, and stop (DGG)."""
     micro_batch_size: int = 64
     """Rows per forward/backward (memory knob); gradients accumulate over micro-batches: no effect on the maths."""
+    micro_batch_tokens: int = 0
+    """> 0: rows packed by length into micro-batches of up to this many padded tokens (instead)."""
     logprob_batch_size: int = 128
     """Rows per no-grad forward (proximal / reference log-probs; memory knob)."""
 
@@ -137,6 +139,7 @@ class OptimConfig:
                 "epochs": (1 <= self.epochs <= 64, "in [1, 64]"),
                 "gate": (self.gate == 0 or (0 < self.gate < 1e6 and self.epochs > 1),
                          "0 (off), or > 0 with optim.epochs > 1"),
+                "micro_batch_tokens": (self.micro_batch_tokens >= 0, "≥ 0 (0 = off)"),
                 "logprob_batch_size": (self.logprob_batch_size > 0, "> 0")}
 
 

@@ -59,6 +59,15 @@ clip against the sampling policy, k3 KL to a reference with beta > 0):
    the truncated importance weight w_it = min(π_prox,it / μ_it, C), detached (TRL's vLLM
    importance-sampling correction; off by default: the mismatch measured on a CPU is ~5e-5 nats at
    most, rollout/logp_gap_max). With top_p < 1 the weight also carries departure 3's top-p bias.
+13. Sampler and trainer log-probs of the same tokens at the same weights still differ. Both run
+   the output layer and the log-softmax in float32 (bf16 logits were rounded by up to 1/16 nat at
+   |z| ~ 10), the trainer in chunks of the sequence (`_ChunkedHead`). What remains is upstream of
+   the output layer: the sampler attends one token at a time to a KV cache, the trainer runs whole
+   rows, so sums are ordered differently: ~1e-6 in float32, but with bf16 compute every layer rounds
+   them to bf16 (CPU autocast, a Qwen2.5-0.5B-shaped 2-layer model at the real vocabulary: mean
+   0.004, p99 0.03, max 0.05 nats; 0.005 / 0.06 / 0.11 with the bf16 output layer). Logged every
+   step as rollout/logp_gap_mean and _max over fresh tokens (`logp_gap`). On-policy rows never see
+   it (item 2); replayed rows' ratios and weights carry it.
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ import math
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from types import MethodType
 
 import torch
 import torch.distributed as dist
@@ -149,28 +159,154 @@ def flat_groups(rewards: Tensor, group: Tensor) -> Tensor:
     return (hi == torch.full((K,), math.inf, dtype=r.dtype).scatter_reduce(0, g, r, "amin"))[g]
 
 
+HEAD_CHUNK = 2**25
+"""Logits per chunk of the output layer (128 MiB in float32): no (tokens, V) tensor is whole."""
+
+
+def hf_module(model):
+    """The HF model inside DDP and torch.compile wrappers (an FSDP2 model is its own class)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif hasattr(model, "get_base_model"):  # peft's LoRA wrapper
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def output_layer(model):
+    """The model's output layer, its forward replaced (once) by `_head_forward`: float32 logits, or
+    chunked log-probs while `_asking` holds a request. Generation and the log-prob passes call
+    it."""
+    m = hf_module(model)
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(getattr(m, "config", None), key, None) not in (None, 1.0):
+            raise ValueError(f"the model's config sets {key}: logits changed after the output "
+                             "layer are not supported by the chunked log-probs")
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    if not isinstance(getattr(head, "weight", None), Tensor):
+        raise TypeError(f"{type(m).__name__} has no output layer (get_output_embeddings)")
+    if "forward" not in head.__dict__:
+        head.forward = MethodType(_head_forward, head)
+    return head
+
+
+@contextmanager
+def _asking(model, targets: Tensor, valid: Tensor, temperature: float, with_entropy: bool):
+    """While inside, the output layer returns (B, C, 2): the log-prob of `targets` (B, C) and the
+    entropy at each of the first C positions, 0 where not `valid`. The request waits on the layer,
+    so the forward that runs is the wrapper's: DDP's gradient sync, FSDP's unsharding of the root's
+    weights (embeddings, final norm, output layer), the compiled graph."""
+    head = output_layer(model)
+    head._logprob_request = (targets, valid, temperature, with_entropy)
+    try:
+        yield
+    finally:
+        head._logprob_request = None
+
+
+@torch.compiler.disable  # a compiled policy breaks its graph here: the chunks run eagerly
+def _head_forward(head, hidden: Tensor) -> Tensor:
+    """The output layer's forward on hidden states (B, C', H): float32 logits (B, C', V) without a
+    request (generation, the prompt pass), else `_asking`'s (B, C, 2) from the valid positions."""
+    request = head.__dict__.get("_logprob_request")
+    w, b = head.weight, getattr(head, "bias", None)
+    if request is None:
+        with torch.autocast(hidden.device.type, enabled=False):
+            dtype = torch.promote_types(hidden.dtype, torch.float32)
+            return F.linear(hidden.to(dtype), *_upcast(w, b, dtype))
+    targets, valid, temperature, with_entropy = request  # (B, C), (B, C)
+    listener = head.__dict__.get("_weight_grad_listener")  # `OutputGrad`'s
+    h = hidden[:, : targets.shape[1]][valid]  # (N, H): padding never reaches the output layer
+    logp, ent = _ChunkedHead.apply(h, w, b, targets[valid], temperature, with_entropy, listener)
+    out = torch.zeros(*targets.shape, 2, dtype=logp.dtype, device=logp.device)  # (B, C, 2)
+    return out.index_put((valid,), torch.stack([logp, ent], -1))
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """logp (N,) of `targets` under softmax((hidden·Wᵀ + b) / T) and its entropy (N,), HEAD_CHUNK
+    logits at a time in at least float32 (autocast off, bf16 weights upcast). Backward recomputes
+    each chunk's logits: one (rows, V) chunk is alive at a time (≈ 1 byte per logit, not ~20).
+    `listener`, when given, receives the weight's gradient from this layer alone (even frozen)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, listener=None):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        n = max(1, HEAD_CHUNK // weight.shape[0])  # rows per chunk
+        lse = torch.zeros(len(hidden), dtype=dtype, device=hidden.device)  # (N,)
+        logp, ent = torch.zeros_like(lse), torch.zeros_like(lse)  # (N,)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _upcast(weight, bias, dtype)
+            for s in range(0, len(hidden), n):
+                rows = slice(s, s + n)
+                z = F.linear(hidden[rows].to(dtype), w, b).div_(temperature)  # (n, V)
+                lse[rows] = torch.logsumexp(z, dim=-1)
+                logp[rows] = z.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
+                if with_entropy:  # H = lse − Σ p·z, the sum a batched dot: no third (n, V)
+                    p = (z - lse[rows, None]).exp_()  # (n, V)
+                    ent[rows] = lse[rows] - (p[:, None] @ z[:, :, None]).view(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.listener = temperature, listener
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _):  # entropy is never differentiated
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        n, T = max(1, HEAD_CHUNK // weight.shape[0]), ctx.temperature
+        g = grad_logp.to(lse.dtype) / T  # (N,) d loss / d z_target, z = logits / T
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _upcast(weight, bias, lse.dtype)
+            gh = torch.empty(hidden.shape, dtype=w.dtype, device=w.device)  # (N, H)
+            want_gw = ctx.needs_input_grad[1] or ctx.listener is not None
+            gw = torch.zeros_like(w) if want_gw else None  # (V, H)
+            gb = None if b is None else torch.zeros_like(b)  # (V,)
+            for s in range(0, len(hidden), n):
+                rows = slice(s, s + n)
+                x = hidden[rows].to(w.dtype)  # (n, H)
+                dz = F.linear(x, w, b).div_(T).sub_(lse[rows, None]).exp_()  # (n, V) softmax p
+                dz.mul_(-g[rows, None])  # d logp / d logits = (onehot − p) / T, times g
+                dz.scatter_add_(1, targets[rows, None], g[rows, None])
+                gh[rows] = dz @ w
+                if gw is not None:
+                    gw.addmm_(dz.T, x)
+                if gb is not None:
+                    gb += dz.sum(0)
+        if ctx.listener is not None:
+            ctx.listener(gw)
+        gw = gw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = gb.to(bias.dtype) if gb is not None and ctx.needs_input_grad[2] else None
+        return gh.to(hidden.dtype), gw, gb, None, None, None, None
+
+
+def _upcast(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple:
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _row_logprobs(model, tokens, attention_mask, valid, temperature, with_entropy):
+    """(B, L) log-probs (and entropies) of whole rows, 0 where `valid` (B, L−1) is False."""
+    with _asking(model, tokens[:, 1:], valid, temperature, with_entropy):
+        out = model(input_ids=tokens, attention_mask=attention_mask).logits  # (B, L−1, 2)
+    logp = F.pad(out[..., 0], (1, 0))  # (B, L): shifted right, position t−1 predicts token t
+    ent = F.pad(out[..., 1].detach(), (1, 0))
+    return logp, ent if with_entropy else None
+
+
 def token_logprobs(model, tokens: Tensor, attention_mask: Tensor, temperature: float,
                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Log-probs of each token under the model at temperature T, aligned with `tokens`; optionally the entropy.
+    """Log-probs of each token under the model at temperature T, aligned with `tokens`; optionally
+    the entropy.
 
-    With z = logits[:, t−1] / T:  logp[:, t] = z[tokens[:, t]] − logsumexp(z),  logp[:, 0] = 0, and 0 on padding.
-    entropy[:, t] = logsumexp(z) − Σ_v p_v z_v, p = softmax(z): of the distribution that predicted t (no gradient).
-    Gathering one logit and subtracting logsumexp avoids a second (B, L, V) log-softmax tensor. Computed in at least
-    float32 (float64 stays float64). Gradients flow to logp when called under grad.
+    With z = logits[:, t−1] / T:  logp[:, t] = z[tokens[:, t]] − logsumexp(z),  logp[:, 0] = 0, and
+    0 on padding. entropy[:, t] = logsumexp(z) − Σ_v p_v z_v, p = softmax(z): of the distribution
+    that predicted t (no gradient). The output layer and the log-softmax run in chunks in at least
+    float32 (`_ChunkedHead`), whatever the compute dtype: no (B, L, V) tensor exists. Gradients flow
+    to logp when called under grad.
     """
-    logits = model(input_ids=tokens, attention_mask=attention_mask).logits  # (B, L, V)
-    return _logprobs_of(logits[:, :-1], tokens[:, 1:], attention_mask[:, 1:].bool(), temperature, with_entropy,
-                        lambda x: F.pad(x, (1, 0)))  # shift right by one: the logits at t−1 predict token t
-
-
-def _logprobs_of(logits, targets, valid, temperature, with_entropy, place):
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (B, C, V)
-    lse = torch.logsumexp(z, dim=-1)  # (B, C)
-    logp = place(torch.where(valid, z.gather(-1, targets[..., None]).squeeze(-1) - lse, 0.0))
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():  # only measured: no (B, C, V) softmax kept for backward
-        return logp, place(torch.where(valid, lse - (torch.softmax(z, dim=-1) * z).sum(-1), 0.0))
+    valid = attention_mask[:, 1:].bool()  # (B, L−1)
+    return _row_logprobs(model, tokens, attention_mask, valid, temperature, with_entropy)
 
 
 def completion_logprobs(model, tokens: Tensor, prompt_len: Tensor, seq_len: Tensor, temperature: float,
@@ -188,8 +324,8 @@ def completion_logprobs(model, tokens: Tensor, prompt_len: Tensor, seq_len: Tens
     ar = torch.arange(L, device=tokens.device)
     in_completion = (ar[None] >= prompt_len[:, None]) & (ar[None] < seq_len[:, None])  # (B, L)
     if not share_prompt or int(prompt_len.min()) < 2:
-        logp, ent = token_logprobs(model, tokens, (ar[None] < seq_len[:, None]).long(), temperature, with_entropy)
-        return torch.where(in_completion, logp, 0.0), (torch.where(in_completion, ent, 0.0) if with_entropy else None)
+        am = (ar[None] < seq_len[:, None]).long()  # (B, L)
+        return _row_logprobs(model, tokens, am, in_completion[:, 1:], temperature, with_entropy)
 
     n_prefix, comp_len = prompt_len - 1, seq_len - prompt_len  # (B,)
     P, C = int(n_prefix.max()), int(comp_len.max())
@@ -204,13 +340,15 @@ def completion_logprobs(model, tokens: Tensor, prompt_len: Tensor, seq_len: Tens
     j = ar[None, :C]  # (1, C)
     valid = j < comp_len[:, None]  # (B, C) input j predicts completion token j
     col = (n_prefix[:, None] + j).clamp(max=L - 2)  # (B, C) column of input j; its target sits at col + 1
-    out = model(input_ids=tokens.gather(1, col), attention_mask=torch.cat([prefix_mask[row_prefix], valid.long()], 1),
-                position_ids=n_prefix[:, None] + j, past_key_values=cache, use_cache=True)
+    mask = torch.cat([prefix_mask[row_prefix], valid.long()], 1)  # (B, P + C)
+    with _asking(model, tokens.gather(1, col + 1), valid, temperature, with_entropy):
+        out = model(input_ids=tokens.gather(1, col), attention_mask=mask, past_key_values=cache,
+                    position_ids=n_prefix[:, None] + j, use_cache=True).logits  # (B, C, 2)
 
     def to_rows(x: Tensor) -> Tensor:  # (B, C) -> (B, L): completion token j back at column prompt_len + j
         return torch.zeros(B, L, dtype=x.dtype, device=x.device).scatter_add(1, col + 1, x)
 
-    return _logprobs_of(out.logits, tokens.gather(1, col + 1), valid, temperature, with_entropy, to_rows)
+    return to_rows(out[..., 0]), to_rows(out[..., 1].detach()) if with_entropy else None
 
 
 def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor, onpolicy: Tensor,
@@ -336,6 +474,26 @@ def no_grad_logprobs(model, batch, cfg, compute, device, with_entropy=False) -> 
     return logp, ent
 
 
+def micro_batches(rows: Tensor, completion_len: Tensor, seq_len: Tensor, o) -> list[Tensor]:
+    """`rows` (indices) sorted by completion length and cut into micro-batches (o is
+    config.OptimConfig): of o.micro_batch_size rows, or, when o.micro_batch_tokens > 0, each as many
+    rows as fit in that many padded tokens (rows × the longest row; a row longer than the budget
+    goes alone). Which rows share a micro-batch never changes the loss (its normalisers are batch
+    totals): only memory and the number of passes."""
+    rows = rows[torch.argsort(completion_len[rows], stable=True)]
+    if o.micro_batch_tokens == 0:
+        return [m for m in rows.split(o.micro_batch_size) if len(m)]
+    out, start, longest = [], 0, 0
+    for k, i in enumerate(rows.tolist()):
+        longest = max(longest, int(seq_len[i]))
+        if k > start and (k + 1 - start) * longest > o.micro_batch_tokens:
+            out.append(rows[start:k])
+            start, longest = k, int(seq_len[i])
+    if len(rows) > start:
+        out.append(rows[start:])
+    return out
+
+
 def lr_at(step: int, cfg) -> float:
     """Learning rate of generation step `step` (0-based): linear warm-up, then constant or cosine decay."""
     o = cfg.optim
@@ -361,34 +519,29 @@ def minibatch_plan(n: int, o) -> list[tuple[int, Tensor]]:
 
 
 class OutputGrad:
-    """The gradient of the loss with respect to the output projection's weight (lm_head): G^T·H
-    summed over the micro-batches of an optimizer step, from the projection's input H (N, d) and
-    the gradient G (N, V) that backward sends to its output, the logits.
+    """The gradient of the loss with respect to the output projection's weight (lm_head), summed
+    over the micro-batches of an optimizer step: `_ChunkedHead.backward` hands this layer's share
+    to `_add` (also when the layer is frozen).
 
     Not read off the weight's .grad: with tied embeddings (the tiny model, Qwen2.5-0.5B/1.5B) that
     .grad also holds the input embedding's share (the rows of the tokens read); a frozen lm_head
-    (LoRA) has no .grad; under FSDP the .grad is a DTensor shard. A forward hook on the projection
-    keeps H and hangs a hook on the logits that receives G; neither changes any gradient. Passes
-    without grad (no-grad log-probs; the prompt pass, whose logits are dropped) never reach
-    backward and add nothing. Cost: one (V, N)·(N, d) product per micro-batch, one (V, d)
-    all-reduce per optimizer step.
+    (LoRA) has no .grad; under FSDP the .grad is a DTensor shard. The hook changes no gradient.
+    Passes without grad (no-grad log-probs, generation) never reach backward and add nothing.
+    Cost: one (V, d) addition per micro-batch, one (V, d) all-reduce per optimizer step.
     """
 
     def __init__(self, model):
-        head = model.get_output_embeddings()
-        self.shape = tuple(head.weight.shape)  # (V, d); DTensor: the global shape
-        self.device = head.weight.device
+        self.head = output_layer(model)
+        self.shape = tuple(self.head.weight.shape)  # (V, d); DTensor: the global shape
+        self.device = self.head.weight.device
         self.acc = None
-        self.hook = head.register_forward_hook(self._forward)
+        self.head._weight_grad_listener = self._add
 
-    def _forward(self, module, inputs, logits):
-        if logits.requires_grad:
-            h = inputs[0].detach()  # (B, T, d)
-            logits.register_hook(lambda g: self._add(g, h))
-
-    def _add(self, g: Tensor, h: Tensor) -> None:
-        gh = g.flatten(0, -2).float().T @ h.flatten(0, -2).float()  # (V, d)
-        self.acc = gh if self.acc is None else self.acc + gh
+    def _add(self, g: Tensor) -> None:  # (V, d), this forward's output-layer share
+        if self.acc is None:  # a copy: g itself may become the weight's .grad and grow in place
+            self.acc = g.float().clone()
+        else:
+            self.acc = self.acc + g.float()
 
     def pop_norm(self) -> float:
         """‖G^T·H‖ of the gradient DDP/FSDP apply (the ranks' sum ÷ world, as each rank's loss is
@@ -401,7 +554,7 @@ class OutputGrad:
         return float(acc.norm()) / dist.get_world_size()
 
     def close(self) -> None:
-        self.hook.remove()
+        self.head._weight_grad_listener = None
 
 
 class Gate:
@@ -481,8 +634,7 @@ def _update(cfg, model, policy, optimizer, batch, device, compute, ref, gate) ->
         total = all_ranks(torch.tensor([len(rows), float(batch.completion_len[rows].sum()),
                                         float((batch.advantage[rows] != 0).any())]))
         run = rows[batch.advantage[rows] != 0] if cfg.grpo.beta == 0 else rows
-        micro = [m for m in run[torch.argsort(batch.completion_len[run], stable=True)].split(cfg.optim.micro_batch_size)
-                 if len(m)]
+        micro = micro_batches(run, batch.completion_len, batch.seq_len, cfg.optim)
         n_micro = int(all_ranks(max(1, len(micro)), dist.ReduceOp.MAX if world > 1 else None))
         optimizer.zero_grad(set_to_none=True)
         sums, hi, lo = {}, torch.tensor(-math.inf), torch.tensor(math.inf)

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                           LogitsProcessor, LogitsProcessorList)
 
+import grpo
 import lora
 
 
@@ -325,15 +326,38 @@ def fsync(path: Path) -> None:
 
 @contextmanager
 def full_weights(model, compute):
-    """Generation with whole weights: under FSDP they are gathered once (in bf16 with bf16 compute) and stay for every
-    token of the phase, then are freed, so no collective runs while ranks generate different lengths."""
+    """Generation with whole weights: under FSDP they are gathered once (in bf16 with bf16 compute)
+    and stay for every token of the phase, then are freed, so no collective runs while ranks
+    generate different lengths. Each module's reshard-after-forward setting is restored as found
+    (FSDP2 keeps the root unsharded after forward: the training backward needs its weights at once,
+    and resharding it would cost one more all-gather per backward)."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    [(m.unshard(), m.set_reshard_after_forward(False)) for m in sharded]
+    found = [_reshard_setting(m) for m in sharded]
+    for m in sharded:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
     try:
         with compute:
             yield
     finally:
-        [(m.set_reshard_after_forward(True), m.reshard()) for m in sharded]
+        for m, setting in zip(sharded, found):
+            _restore_reshard_setting(m, setting)
+            m.reshard()
+
+
+def _reshard_setting(module) -> tuple:
+    """FSDP2's reshard-after-forward state of `module` (its API sets it but cannot read it: private
+    fields)."""
+    state = module._get_fsdp_state()
+    meshes = [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    return state._auto_reshard_after_forward, meshes
+
+
+def _restore_reshard_setting(module, setting: tuple) -> None:
+    state = module._get_fsdp_state()
+    state._auto_reshard_after_forward = setting[0]
+    for group, mesh_info in zip(state._fsdp_param_groups, setting[1]):
+        group.post_forward_mesh_info = mesh_info
 
 
 def prompt_ids(tokenizer, problem: str, template: str, chat: bool, system_prompt: str = "") -> list[int]:
@@ -389,10 +413,12 @@ class _SamplingDistribution(LogitsProcessor):
 
     def __init__(self, cfg: RolloutConfig):
         self.cfg, self.prev, self.logps, self.entropies = cfg, None, [], []  # prev: (B, V); the rest T × (B,)
+        self.finite = None  # () bool on the device, every logit so far finite: read in `finish`
 
     def __call__(self, input_ids, scores):
-        if not torch.isfinite(scores).all():
-            raise FloatingPointError("the policy's logits are not finite (NaN or inf weights)")
+        finite = torch.isfinite(scores).all(-1, keepdim=True)  # (B, 1), no device→host sync
+        self.finite = finite.all() if self.finite is None else self.finite & finite.all()
+        scores = torch.where(finite, scores, 0.0)  # a bad row samples uniformly until `finish`
         if self.prev is not None:
             self.logps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
         z = scores.float() / (self.cfg.temperature or 1.0)  # (B, V); greedy (T = 0) records the T = 1 log-probs
@@ -407,8 +433,33 @@ class _SamplingDistribution(LogitsProcessor):
         return z
 
     def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> (B, T), (B, T)
+        if not bool(self.finite):
+            raise FloatingPointError("the policy's logits are not finite (NaN or inf weights)")
         self.logps.append(self.prev.gather(1, last_tokens[:, None]).squeeze(1))
         return torch.stack(self.logps, dim=1), torch.stack(self.entropies, dim=1)
+
+
+class _CastCache(transformers.DynamicCache):
+    """A KV cache that stores K and V in `dtype`. Under autocast the residual stream is float32, so
+    RoPE'd keys (and the cache's values after them) would be kept in float32; attention casts them
+    to the autocast dtype anyway, so storing them in it changes no number and halves the cache."""
+
+    def __init__(self, dtype: torch.dtype, **kwargs):
+        super().__init__(**kwargs)
+        self.dtype = dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = key_states.to(self.dtype), value_states.to(self.dtype)
+        return super().update(keys, values, layer_idx, *args, **kwargs)
+
+
+def kv_cache(model) -> transformers.DynamicCache | None:
+    """The cache to generate with: K and V in the autocast dtype when autocast is on (`_CastCache`),
+    else HF's."""
+    device = next(model.parameters()).device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    return _CastCache(torch.get_autocast_dtype(device), config=model.config)
 
 
 @torch.no_grad()
@@ -427,6 +478,7 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     model.eval()
     hf.generation_config = GenerationConfig()
     stop_t = torch.tensor(stop, dtype=torch.long, device=device)
+    grpo.output_layer(model)  # float32 logits, as the training pass computes them
     try:  # (the empty config: nothing of the model's own fills what gen_cfg leaves unset)
         for start in range(0, len(expanded), cfg.gen_batch_size):
             chunk = expanded[start : start + cfg.gen_batch_size]
@@ -435,7 +487,8 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
             recorder = _SamplingDistribution(cfg)
             mask = torch.arange(P, device=device) >= P - torch.tensor([len(p) for p in chunk], device=device)[:, None]
             out = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=gen_cfg,
-                                 logits_processor=LogitsProcessorList([recorder]))
+                                 logits_processor=LogitsProcessorList([recorder]),
+                                 past_key_values=kv_cache(model))
             completion = out[:, P:]  # (b, T)
             logp, entropy = recorder.finish(completion[:, -1])  # (b, T) each
             ends = torch.isin(completion, stop_t)  # a completion ends at its first end token; later tokens are padding

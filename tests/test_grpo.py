@@ -81,14 +81,23 @@ def test_zero_variance_groups_get_exactly_zero(scale):
 
 
 class Bigram(torch.nn.Module):
-    """logits[b, t] = table[tokens[b, t]]: known logits for hand-computed log-probs."""
+    """logits[b, t] = table[tokens[b, t]]: known logits for hand-computed log-probs (a one-hot
+    hidden state read out by an output layer whose weight is the table's transpose, as
+    token_logprobs needs an output layer)."""
 
     def __init__(self, table):
         super().__init__()
-        self.table = torch.nn.Parameter(table)
+        self.head = torch.nn.Linear(table.shape[0], table.shape[1], bias=False, dtype=table.dtype)
+        with torch.no_grad():
+            self.head.weight.copy_(table.T)
+
+    def get_output_embeddings(self):
+        return self.head
 
     def forward(self, input_ids, attention_mask):
-        return SimpleNamespace(logits=self.table[input_ids])
+        V = self.head.in_features
+        hidden = torch.nn.functional.one_hot(input_ids, V).to(self.head.weight.dtype)
+        return SimpleNamespace(logits=self.head(hidden))
 
 
 class TinyLM(torch.nn.Module):
@@ -98,16 +107,22 @@ class TinyLM(torch.nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.emb = torch.nn.Parameter(torch.randn(V, D, generator=g, dtype=F64))
-        self.out = torch.nn.Parameter(torch.randn(D, V, generator=g, dtype=F64))
+        self.out = torch.nn.Linear(D, V, bias=True, dtype=F64)
+        with torch.no_grad():
+            self.out.weight.copy_(torch.randn(V, D, generator=g, dtype=F64))
+            self.out.bias.copy_(torch.randn(V, generator=g, dtype=F64))
         if noise:  # a nearby policy, e.g. the weights before the last optimizer step
             with torch.no_grad():
                 for p in self.parameters():
                     p.add_(noise * torch.randn(p.shape, generator=g, dtype=F64))
 
+    def get_output_embeddings(self):
+        return self.out
+
     def forward(self, input_ids, attention_mask):
         h = self.emb[input_ids] * attention_mask[..., None]
         h = h.cumsum(1) / torch.arange(1, input_ids.shape[1] + 1, dtype=F64)[:, None]
-        return SimpleNamespace(logits=torch.tanh(h) @ self.out)
+        return SimpleNamespace(logits=self.out(torch.tanh(h)))
 
 
 BIGRAM = torch.log(t([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7], [1 / 3, 1 / 3, 1 / 3]]))

@@ -1,0 +1,266 @@
+"""The output layer in chunks (grpo._ChunkedHead): the same log-probs, entropies and gradients as
+the whole (tokens, vocab) logits, in float32 even under bf16 autocast; the behaviour-vs-trainer gap
+metric; token-budget micro-batches; the generation KV cache's dtype; the sampler's finiteness
+check.
+
+  python -m pytest -q tests/test_logprobs.py        # ~1 min on 2 CPU cores
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+import grpo
+import rollout
+from data.build_tiny_model import build_tokenizer
+from rollout import RolloutConfig, generate
+from tests.test_scale import one_update, synthetic_batch, tiny_qwen3, update_cfg
+
+QWEN_VOCAB = 151936  # Qwen2.5's real vocabulary
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def qwen2(vocab: int, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def reference_logprobs(model, tokens, prompt_len, seq_len, temperature):
+    """(B, L) log-probs and entropies from the whole logits (B, L, V): the decoder, then the output
+    layer and log_softmax in one piece, in the model's dtype (at least float32, autocast off)."""
+    ar = torch.arange(tokens.shape[1])
+    am = (ar[None] < seq_len[:, None]).long()
+    hidden = model.model(input_ids=tokens, attention_mask=am).last_hidden_state  # (B, L, H)
+    w = model.get_output_embeddings().weight
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    with torch.autocast("cpu", enabled=False):  # the decoder ran under the caller's autocast
+        z = F.linear(hidden.to(dtype), w.to(dtype))[:, :-1] / temperature  # (B, L−1, V)
+        lsm = torch.log_softmax(z, dim=-1)
+    logp = F.pad(lsm.gather(-1, tokens[:, 1:, None]).squeeze(-1), (1, 0))
+    ent = F.pad(-(lsm.exp() * lsm).sum(-1), (1, 0))
+    comp = (ar[None] >= prompt_len[:, None]) & (ar[None] < seq_len[:, None])
+    return torch.where(comp, logp, 0.0), torch.where(comp, ent, 0.0).detach()
+
+
+def rows(vocab: int, B: int = 4, L: int = 23, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (B, L), generator=g)
+    prompt_len = torch.tensor([3, 5, 3, 7])[:B]
+    seq_len = torch.tensor([L, L - 6, L - 2, 12])[:B]
+    return tokens, prompt_len, seq_len
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_chunked_head_equals_whole_logits_float64(monkeypatch, share_prompt):
+    """Chunks of 3 rows (HEAD_CHUNK / V) against the whole (B, L, V) float64 logits: values,
+    entropies and every parameter's gradient to float64 round-off, at the real vocabulary."""
+    monkeypatch.setattr(grpo, "HEAD_CHUNK", 3 * QWEN_VOCAB)
+    model = qwen2(QWEN_VOCAB, torch.float64)
+    tokens, prompt_len, seq_len = rows(QWEN_VOCAB)
+    w = torch.randn(tokens.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    logp, ent = grpo.completion_logprobs(model, tokens, prompt_len, seq_len, 0.7, True,
+                                         share_prompt)
+    grads = torch.autograd.grad((logp * w).sum(), list(model.parameters()))
+    ref, ref_ent = reference_logprobs(model, tokens, prompt_len, seq_len, 0.7)
+    ref_grads = torch.autograd.grad((ref * w).sum(), list(model.parameters()))
+    assert logp.dtype == torch.float64 and not ent.requires_grad
+    torch.testing.assert_close(logp, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-10, rtol=0)
+    for a, b in zip(grads, ref_grads, strict=True):  # Qwen2's RMSNorm runs in float32 even here
+        assert (a - b).norm() <= 1e-6 * b.norm()
+
+
+def test_chunked_head_equals_whole_logits_float32(monkeypatch):
+    """The float32 path (what a float32 run computes): the same values as the whole logits to
+    1e-6."""
+    monkeypatch.setattr(grpo, "HEAD_CHUNK", 5 * QWEN_VOCAB)
+    model = qwen2(QWEN_VOCAB)
+    tokens, prompt_len, seq_len = rows(QWEN_VOCAB)
+    logp, ent = grpo.completion_logprobs(model, tokens, prompt_len, seq_len, 1.0, True,
+                                         share_prompt=False)
+    grads = torch.autograd.grad(logp.sum(), list(model.parameters()))
+    ref, ref_ent = reference_logprobs(model, tokens, prompt_len, seq_len, 1.0)
+    ref_grads = torch.autograd.grad(ref.sum(), list(model.parameters()))
+    torch.testing.assert_close(logp, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=0, rtol=2e-6)  # ~12 nats, 151,936 terms
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert (a - b).norm() <= 1e-5 * b.norm()
+
+
+def test_chunked_head_with_bias_hand_values():
+    """An output layer with a bias (a one-token model: the hidden state is fixed), against
+    log_softmax by hand."""
+    head = torch.nn.Linear(2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]))
+        head.bias.copy_(torch.tensor([0.5, -1.0, 0.0]))
+    h = torch.tensor([[1.0, 1.0], [0.0, -1.0]], dtype=torch.float64, requires_grad=True)  # (2, 2)
+    logp, ent = grpo._ChunkedHead.apply(h, head.weight, head.bias, torch.tensor([1, 2]), 2.0, True)
+    z = (h @ head.weight.T + head.bias) / 2.0  # [[0.75, 0.5, 1.0], [0.25, -1.5, -0.5]]
+    lsm = torch.log_softmax(z, -1)
+    torch.testing.assert_close(logp, lsm[[0, 1], [1, 2]], atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent, -(lsm.exp() * lsm).sum(-1).detach(), atol=1e-12, rtol=0)
+    got = torch.autograd.grad(logp.sum(), [h, head.weight, head.bias])
+    want = torch.autograd.grad(lsm[[0, 1], [1, 2]].sum(), [h, head.weight, head.bias])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_chunked_head_runs_in_float32_under_bf16_autocast():
+    """Under autocast the output layer used to return bf16 logits (rounded by up to 1/16 at |z| ~
+    10): now the log-probs equal float32 logits of the same (autocast) hidden states."""
+    model = qwen2(QWEN_VOCAB)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)  # logits of a trained model's size
+    tokens, prompt_len, seq_len = rows(QWEN_VOCAB)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = grpo.completion_logprobs(model, tokens, prompt_len, seq_len, 1.0,
+                                           share_prompt=False)
+        ref, _ = reference_logprobs(model, tokens, prompt_len, seq_len, 1.0)
+        bf16_logits = model.model(input_ids=tokens).last_hidden_state @ model.lm_head.weight.T
+    assert bf16_logits.dtype == torch.bfloat16  # what the output layer computed before
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)
+
+
+def test_compiled_model_is_unwrapped():
+    """torch.compile and DDP wrappers are looked through: the FSDP check of the shared-prompt path
+    and the output layer both see the HF model."""
+    model = tiny_qwen3(60)
+    compiled = torch.compile(model, backend="eager")
+    assert grpo.hf_module(compiled) is model
+    assert grpo.output_layer(compiled) is model.get_output_embeddings()
+
+
+# ------------------------------------------------------------------------------ the gap metric
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_logp_gap_metric_counts_fresh_tokens_at_the_sampling_weights(minibatches):
+    """behav_logp = the trainer's own log-probs + 0.25 on fresh rows with A ≠ 0, + 0.5 on fresh rows
+    with A = 0 and + 3 on replayed rows: the gap is 0.25 with one optimizer step (rows with A = 0
+    are not run), and over every fresh row (mean between 0.25 and 0.5, max 0.5) when the π_prox pass
+    covers them; replayed rows never count."""
+    batch = synthetic_batch(60)
+    cfg = update_cfg("dapo")
+    cfg.optim.minibatches = minibatches
+    model = tiny_qwen3(60)
+    with torch.no_grad():
+        lp, _ = grpo.completion_logprobs(model, batch.tokens, batch.prompt_len, batch.seq_len,
+                                         cfg.rollout.temperature)
+    offset = torch.where(batch.replayed, 3.0, torch.where(batch.advantage == 0, 0.5, 0.25))  # (B,)
+    batch.behav_logp = torch.where(batch.completion_mask(), lp + offset[:, None], 0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics, _, _, _ = grpo.update_policy(cfg, model, model, opt, batch, torch.device("cpu"))
+    if minibatches == 1:
+        assert metrics["rollout/logp_gap_mean"] == pytest.approx(0.25, abs=1e-5)
+        assert metrics["rollout/logp_gap_max"] == pytest.approx(0.25, abs=1e-5)
+    else:
+        fresh = ~batch.replayed
+        n = batch.completion_len.double()
+        want = (n * offset)[fresh].sum() / n[fresh].sum()
+        assert metrics["rollout/logp_gap_mean"] == pytest.approx(want.item(), abs=1e-5)
+        assert metrics["rollout/logp_gap_max"] == pytest.approx(0.5, abs=1e-5)
+
+
+def test_logp_gap_hand_values():
+    logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
+    behav = torch.tensor([[0.0, -1.5, -1.0], [9.0, -0.25, 0.0]])
+    mask = torch.tensor([[False, True, True], [False, True, False]])
+    assert grpo.logp_gap(logp, behav, mask).tolist() == [1.75, 3.0, 1.0]
+    metrics = grpo._gap_metrics([grpo.logp_gap(logp, behav, mask)])
+    assert metrics["rollout/logp_gap_mean"] == pytest.approx(1.75 / 3)
+    assert metrics["rollout/logp_gap_max"] == 1.0
+
+
+# ------------------------------------------------------------------------------ micro-batches
+
+
+def test_micro_batch_tokens_packs_rows_by_length():
+    """Sorted by completion length, each micro-batch holds as many rows as fit in the token budget
+    (rows × the longest row's prompt + completion); a row longer than the budget goes alone."""
+    o = update_cfg("dapo").optim
+    o.micro_batch_tokens = 30
+    completion = torch.tensor([5, 1, 9, 2, 3, 20])
+    seq = completion + 4  # 9, 5, 13, 6, 7, 24
+    out = grpo.micro_batches(torch.arange(6), completion, seq, o)  # rows 1, 3, 4, 0, 2, 5
+    assert [m.tolist() for m in out] == [[1, 3, 4], [0, 2], [5]]  # 3·7 ≤ 30 < 4·9; 3·24 > 30
+    o.micro_batch_tokens = 0
+    o.micro_batch_size = 4
+    out = grpo.micro_batches(torch.arange(6), completion, seq, o)
+    assert [m.tolist() for m in out] == [[1, 3, 4, 0], [2, 5]]
+
+
+def test_micro_batch_tokens_leaves_the_update_unchanged():
+    """A token budget changes which rows share a pass, never the gradient (batch-total
+    normalisers)."""
+    batch = synthetic_batch(60)
+    cfg = update_cfg("grpo")
+    m1, m2 = tiny_qwen3(60), tiny_qwen3(60)
+    loss, grad, _ = one_update(m1, m1, batch, cfg)
+    cfg.optim.micro_batch_tokens = 64
+    everything = torch.arange(len(batch))
+    n_micro = len(grpo.micro_batches(everything, batch.completion_len, batch.seq_len, cfg.optim))
+    assert n_micro not in (len(batch), -(-len(batch) // 3))  # neither 1 nor 3 rows each
+    loss_packed, grad_packed, _ = one_update(m2, m2, batch, cfg)
+    assert loss_packed == pytest.approx(loss, abs=1e-6)
+    torch.testing.assert_close(grad_packed, grad, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
+    """Under bf16 autocast (DDP, one GPU) the KV cache holds K and V in bf16, not float32, and the
+    sampled tokens and behaviour log-probs are bit-identical to a float32 cache's (attention casts K
+    and V to bf16 anyway)."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))
+    caches = []
+    def keep_cache(module, args, kwargs):
+        caches.append(kwargs.get("past_key_values"))
+
+    model.register_forward_pre_hook(keep_cache, with_kwargs=True)
+    prompts = [tok(f"{i}+{i * 7}=")["input_ids"] for i in range(3)]
+    cfg = RolloutConfig(group_size=2, max_new_tokens=10)
+    out = {}
+    for name in ("bf16", "float32"):
+        if name == "float32":
+            monkeypatch.setattr(rollout, "kv_cache", lambda model: None)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out[name], _ = generate(model, tok, prompts, cfg, [])
+        layer = caches[-1].layers[0]
+        want = torch.bfloat16 if name == "bf16" else torch.float32
+        assert layer.keys.dtype == layer.values.dtype == want, name
+    assert torch.equal(out["bf16"].tokens, out["float32"].tokens)
+    assert torch.equal(out["bf16"].behav_logp, out["float32"].behav_logp)
+    torch.manual_seed(0)
+    generate(model, tok, prompts, cfg, [])
+    assert caches[-1].layers[0].keys.dtype == torch.float32  # no autocast: the model's own dtype
+
+
+def test_sampler_checks_finiteness_once_at_the_end():
+    """NaN weights: generation runs to its end without a device→host sync per token, then raises the
+    same error."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    cfg = RolloutConfig(group_size=2, max_new_tokens=6)
+    with pytest.raises(FloatingPointError, match="logits are not finite"):
+        generate(model, tok, [tok("1+1=")["input_ids"]], cfg, [])
+    assert len(calls) == 6  # every token was generated before the check
