@@ -212,7 +212,8 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     dtype, with the adapters of checkpoint `path` (fresh ones when `path` has none), and `ref` is
     `model` with its adapters off.
     """
-    bf16, fsdp = cfg.model.compute_dtype == "bfloat16", cfg.model.parallel == "fsdp" and world > 1
+    bf16 = cfg.model.compute_dtype == "bfloat16"
+    fsdp = cfg.model.parallel == "fsdp" and dist.is_initialized()  # under torchrun, even of one process
     adapted = cfg.model.lora.rank > 0
     base_dtype = torch.bfloat16 if bf16 and adapted else torch.float32
     trust, meta = cfg.model.trust_remote_code, world > 1 and not adapted  # rank 0 reads weights
@@ -332,6 +333,8 @@ def full_weights(model, compute):
     (FSDP2 keeps the root unsharded after forward: the training backward needs its weights at once,
     and resharding it would cost one more all-gather per backward)."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if sharded:  # the root's first forward would settle its setting: settle it now, then read it
+        sharded[0]._get_fsdp_state()._lazy_init()
     found = [_reshard_setting(m) for m in sharded]
     for m in sharded:
         m.unshard()

@@ -366,7 +366,7 @@ def backend_map(device_type: str) -> str:
 
 def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     """Check the folder, load data and model, restore a checkpoint; only then claim out_dir."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    if "LOCAL_RANK" in os.environ and not dist.is_initialized():  # torchrun, even of one process
         gpu = torch.cuda.is_available()
         if gpu:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -1,112 +1,193 @@
-"""Check the GPU path before spending GPU-days on a paper config: a few steps of a realistic-shape model with the GPU
-settings (bf16 compute, float32 master weights, gradient checkpointing), on one GPU.
+"""Check the GPU path before spending GPU-days on a paper config (≤ 10 minutes on one H100): a
+Qwen2.5-0.5B-shaped random model at the real vocabulary (151,936), the paper settings (bf16 compute,
+float32 master weights, gradient checkpointing, FSDP2).
 
 Usage:
-  python bench/gpu_check.py                                  # random-init Qwen2.5-0.5B shape, the tiny tokenizer
-  python bench/gpu_check.py --shape Qwen/Qwen3-4B-Base       # another shape from bench/memory_plan.SHAPES
+  python bench/gpu_check.py                                  # random-init Qwen2.5-0.5B shape
+  python bench/gpu_check.py --shape Qwen/Qwen3-4B-Base       # a shape of bench/memory_plan.SHAPES
   python bench/gpu_check.py --model.path /models/Qwen2.5-Math-7B --peak-tflops 989
 
-Prints generation tokens/s, training tokens/s and MFU (6·params·tokens / time / the GPU's bf16 peak), peak memory
-against bench/memory_plan.py's estimate, the fraction of weights one lr 1e-6 AdamW step moved (of those with a
-non-zero gradient), and the largest |behaviour − training| log-prob gap in bf16. Exits 1 when the step moved fewer
-than 99 % of those weights or the gap is over --max-gap (bf16 rounds a log-prob near 10 by about 0.04; the sampler
-and the training forward also differ by the KV cache's summation order). Without a GPU it prints one line and exits 2.
+(a) The real distributed path: `torchrun --nproc_per_node=1 train.py` (NCCL, FSDP at world size 1),
+    two steps of a replay strategy with a checkpoint after each, `--resume` for a third, and a
+    `from_pretrained` of final/.
+(b) Generation on real-length prompts: useful (completion) and padded (batch × steps) tokens/s; no
+    all-gather inside `generate` (the weights were gathered once before it); a bf16 KV cache.
+(c) The behaviour-vs-trainer log-prob gap of fresh tokens at the sampling weights (mean, p99, the
+    fraction of tokens whose ratio falls outside the clip range): fails above --max-gap-mean.
+(d) Peak memory of each phase against bench/memory_plan.py: fails above +10 % (a GPU only).
+(e) One lr 1e-6 AdamW step moves ≥ 99 % of the weights with a non-zero gradient, and the gradient
+    norm equals that of float32 weights without FSDP (bf16 autocast) within 1 %.
+Prints one line per check, then `gpu_check: OK` or `gpu_check: FAILED (...)`; exits 0 / 1. Without a
+GPU it prints one line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import dataclasses
+import math
+import os
+import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
-PEAK_TFLOPS = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "A10": 125, "L4": 121, "4090": 165}
+PEAK_TFLOPS = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "A10": 125,
+               "L4": 121, "4090": 165}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model.path", dest="path", help="a local model folder (default: random)")
+    ap.add_argument("--shape", default="Qwen/Qwen2.5-0.5B", help="a key of bench/memory_plan.SHAPES")
+    ap.add_argument("--vocab", type=int, default=0, help="the random model's (0: the shape's)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="length of the random prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: by its name)")
+    ap.add_argument("--max-gap-mean", type=float, default=0.02,
+                    help="largest mean |behaviour − trainer| log-prob of fresh tokens")
+    ap.add_argument("--max-grad-norm-diff", type=float, default=0.01,
+                    help="largest relative difference of the gradient norm from the reference's")
+    ap.add_argument("--skip-torchrun", action="store_true", help="leave out check (a)")
+    ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU tests
+    return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model.path", dest="path", help="a local model folder (default: a random-init --shape)")
-    ap.add_argument("--shape", default="Qwen/Qwen2.5-0.5B", help="a key of bench/memory_plan.SHAPES")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: by its name)")
-    ap.add_argument("--max-gap", type=float, default=0.5, help="largest |behaviour - training| log-prob allowed")
-    ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the tests run the logic on a CPU
-    a = ap.parse_args(argv)
+    a = parse(argv)
     if not torch.cuda.is_available() and not a.allow_cpu:
         print("gpu_check: no GPU is visible (torch.cuda.is_available() is False); run it on the GPU machine")
         return 2
-    from memory_plan import SHAPES, estimate
+    from memory_plan import SHAPES
 
-    import grpo
-    from config import load_config
-    from rollout import end_ids, full_weights, generate, load_policy, prompt_ids
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = SHAPES[a.shape] if not a.path else None
-    path = a.path or make_random_model(shape, Path("/tmp") / f"gpu_check_{a.shape.replace('/', '_')}")
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "papers" / "gpu_base.yaml"),
-                      [f"--model.path={path}", "--model.parallel=ddp", f"--rollout.max_new_tokens={a.max_new_tokens}",
-                       f"--rollout.group_size={a.group_size}", f"--rollout.batch_size={a.prompts * a.group_size}",
-                       f"--rollout.gen_batch_size={a.prompts * a.group_size}", "--optim.lr=1e-6"])
-    model, policy, tok, _, compute = load_policy(cfg, path, device, 1)
-    n_params = sum(p.numel() for p in model.parameters())
-    prompts = [prompt_ids(tok, f"{i}+{i * 7}-{i * 3}", "{problem}", True) for i in range(a.prompts)]
-    stop = [] if not a.path else end_ids(tok, model, True, [])  # a random model runs every row to max_new_tokens
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
-    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-    gen_tps, train_tps, moved, gap = [], [], None, 0.0
-    for step in range(a.steps):
-        sync(device)
-        t0 = time.time()
-        with full_weights(model, compute):
-            ro, _ = generate(model, tok, prompts, cfg.rollout, stop, step=step)
-        sync(device)
-        gen_tps.append(int(ro.completion_len.sum()) / (time.time() - t0))
-        ro.advantage = torch.randn(len(ro), generator=torch.Generator().manual_seed(step))
-        with torch.no_grad(), compute:  # the training forward's log-probs of what was sampled, in bf16
-            lp, _ = grpo.no_grad_logprobs(model, ro, cfg, compute, device)
-        gap = max(gap, (lp - ro.behav_logp)[ro.completion_mask()].abs().max().item())
-        params, live = list(model.parameters()), {}
-        before = [p.detach().clone() for p in params] if step == 0 else None
-        def record(*_, params=params, live=live):  # which weights received a gradient in this step
-            live.update({i: p.grad != 0 for i, p in enumerate(params) if p.grad is not None})
+    if shape is not None and a.vocab:
+        shape = dataclasses.replace(shape, vocab=a.vocab)
+    name = f"{a.shape.replace('/', '_')}_{shape.vocab}" if shape else "model"
+    work = Path("/tmp") / f"gpu_check_{name}"
+    path = a.path or make_random_model(shape, work / "model")
+    failures = [] if a.skip_torchrun else distributed_check(path, work, a)
+    failures += in_process_checks(path, shape, a)
+    print("gpu_check: OK" if not failures else f"gpu_check: FAILED ({'; '.join(failures)})")
+    return 1 if failures else 0
 
-        hook = optimizer.register_step_pre_hook(record)
-        sync(device)
+
+BASE = str(REPO / "configs" / "papers" / "gpu_base.yaml")
+
+
+def run_args(path: str, a: argparse.Namespace) -> list[str]:
+    """Overrides of configs/papers/gpu_base.yaml for every check: FSDP, this model, few rows."""
+    n = a.prompts * a.group_size
+    return [f"--model.path={path}", "--model.parallel=fsdp", "--optim.lr=1e-6",
+            f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group_size}",
+            f"--rollout.batch_size={n}", f"--rollout.gen_batch_size={n}",
+            f"--data.max_prompt_tokens={a.prompt_tokens}"]
+
+
+def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]:
+    """(a): train.py under torchrun (one process: NCCL, or gloo on a CPU), two steps of uniform
+    replay
+    with a checkpoint each, --resume for a third, then final/ through from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    out = work / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           str(REPO / "train.py"), "--config", BASE, *run_args(path, a), f"--out_dir={out}",
+           "--data.train=tiny", "--data.eval=tiny", "--data.data_dir=", "--eval.n=4", "--eval.k=1",
+           "--eval.every=0", "--checkpoint.every=1", "--replay.strategy=uniform",
+           "--replay.ratio=0.25",
+           "--wandb.mode=disabled", "--data.max_prompt_tokens=0", "--optim.warmup_steps=0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    t0, failures = time.time(), []
+    for steps, extra in ((2, ["--overwrite"]), (3, ["--resume"])):
+        r = subprocess.run([*cmd, f"--max_steps={steps}", *extra], cwd=REPO, env=env,
+                           capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            tail = " ".join(r.stderr.strip().splitlines()[-1:])[:200]
+            print(f"(a) torchrun train.py --max_steps={steps} {' '.join(extra)}: exit "
+                  f"{r.returncode}: {tail}")
+            return [f"(a) train.py under torchrun exited {r.returncode}"]
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    if len(lines) != 3 or "rollout/logp_gap_mean" not in lines[-1]:
+        failures.append("(a) metrics.jsonl lacks steps or the log-prob gap")
+    print(f"(a) torchrun, FSDP at world size 1: 2 steps, resumed to 3 ({len(lines)} metric lines), "
+          f"checkpoints {checkpoints}, final/ loads ({type(model).__name__}, "
+          f"{next(model.parameters()).dtype}) in {time.time() - t0:.0f} s")
+    return failures
+
+
+def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
+    """(b)-(e) in this process, FSDP at world size 1 over a one-process group."""
+    import torch.distributed as dist
+
+    from config import load_config
+    from rollout import load_policy
+
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg = load_config(BASE, run_args(path, a))
+    model, policy, tok, _, compute = load_policy(cfg, path, device, 1)
+    peaks = {}
+    batch, failures = generation_check(model, tok, cfg, compute, a, peaks)
+    firsts = range(0, len(batch), a.group_size)  # one row per prompt
+    engines(path, [batch.tokens[i, : batch.prompt_len[i]].tolist() for i in firsts], a, device)
+    failures += update_checks(cfg, model, policy, compute, device, batch, path, a, peaks)
+    if shape is not None and cuda:
+        failures += memory_check(cfg, shape, peaks, a)
+    dist.destroy_process_group()
+    return failures
+
+
+def generation_check(model, tok, cfg, compute, a, peaks: dict):
+    """(b): one generation phase; returns (rollouts, failures), the phase's peak in `peaks`."""
+    from rollout import full_weights, generate
+
+    g = torch.Generator().manual_seed(0)
+    n_vocab = min(len(tok), model.config.vocab_size)
+    prompts = []
+    for _ in range(a.prompts):
+        prompts.append(torch.randint(3, n_vocab, (a.prompt_tokens,), generator=g).tolist())
+    stop = sorted({tok.eos_token_id, tok.pad_token_id} - {None})
+    caches, gathers = [], []
+
+    def keep_cache(module, args, kwargs):
+        caches.append(kwargs.get("past_key_values"))
+
+    hook = model.register_forward_pre_hook(keep_cache, with_kwargs=True)
+    reset_peak()
+    with full_weights(model, compute):
+        sync()
         t0 = time.time()
-        grpo.update_policy(cfg, model, policy, optimizer, ro, device, compute)
-        sync(device)
-        train_tps.append(int(ro.seq_len.sum()) / (time.time() - t0))
-        hook.remove()
-        if before is not None:
-            hit = sum(int(((params[i].detach() != before[i]) & m).sum()) for i, m in live.items())
-            moved = hit / max(1, sum(int(m.sum()) for m in live.values()))
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    peak_tflops = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    tps = sorted(train_tps)[len(train_tps) // 2]
-    mfu = f"{100 * 6 * n_params * tps / (peak_tflops * 1e12):.1f} %" if peak_tflops else "n/a (pass --peak-tflops)"
-    peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
-    est = estimate(replace(shape, vocab=len(tok)), gpus=1, fsdp=False, micro_batch=cfg.optim.micro_batch_size,
-                   gen_batch=len(prompts) * a.group_size, prompt=max(map(len, prompts)), response=a.max_new_tokens,
-                   logprob_batch=cfg.optim.logprob_batch_size)["peak"] / 1e9 if shape else None
-    print(f"device {name}; {n_params / 1e9:.3f} B parameters")
-    print(f"generation {sorted(gen_tps)[len(gen_tps) // 2]:.0f} tokens/s; training {tps:.0f} tokens/s; MFU {mfu}")
-    print(f"peak memory {peak:.1f} GB" + (f" (bench/memory_plan.py estimate {est:.1f} GB)" if est else ""))
-    print(f"one AdamW step at lr 1e-6 moved {100 * moved:.2f} % of the weights with a non-zero gradient (need ≥ 99 %)")
-    print(f"largest |behaviour - training| log-prob in bf16: {gap:.3f} (bound {a.max_gap})")
-    engines(path, prompts, a, device)
-    ok = moved >= 0.99 and gap <= a.max_gap
-    print("gpu_check: OK" if ok else "gpu_check: FAILED")
-    return 0 if ok else 1
+        with counting_all_gathers(gathers):
+            ro, _ = generate(model, tok, prompts, cfg.rollout, stop)
+        sync()
+        seconds = time.time() - t0
+    peaks["generation"] = peak_bytes()
+    hook.remove()
+    kv = caches[-1].layers[0].keys.dtype if caches and caches[-1] is not None else None
+    useful, padded = int(ro.completion_len.sum()), len(ro) * int(ro.completion_len.max())
+    print(f"(b) generation: {useful / seconds:.0f} useful tokens/s, {padded / seconds:.0f} padded "
+          f"tokens/s ({len(ro)} rows, prompts of {a.prompt_tokens}); all-gathers inside generate: "
+          f"{len(gathers)}; KV cache {kv}")
+    failures = [f"(b) {len(gathers)} all-gathers inside generate"] * bool(gathers)
+    if kv != torch.bfloat16:
+        failures.append(f"(b) the KV cache holds {kv}, not bfloat16")
+    return ro, failures
 
 
 def engines(path: str, prompts: list, a, device: torch.device) -> None:
@@ -123,24 +204,160 @@ def engines(path: str, prompts: list, a, device: torch.device) -> None:
           f"(vllm / hf {r['ratio']:.2f})")
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
+@contextlib.contextmanager
+def counting_all_gathers(counter: list):
+    """Count FSDP2's all-gathers (dist.all_gather_single, looked up at each call) while inside."""
+    import torch.distributed as dist
+
+    real = dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        counter.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    try:
+        yield
+    finally:
+        dist.all_gather_single = real
+
+
+def gap_stats(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, cfg) -> dict:
+    """(c): |behaviour − trainer| log-probs over `mask` (B, L): mean, p99, max, and the fraction of
+    tokens whose ratio exp(trainer − behaviour) lies outside [1 − eps_low, 1 + eps_high]."""
+    d = (logp - behav)[mask].double()  # (n,)
+    ratio = d.exp()
+    outside = (ratio < 1 - cfg.grpo.eps_low) | (ratio > 1 + cfg.grpo.eps_high)
+    return {"mean": d.abs().mean().item(), "p99": d.abs().quantile(0.99).item(),
+            "max": d.abs().max().item(), "outside_clip": outside.double().mean().item()}
+
+
+def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: dict) -> list[str]:
+    """(c) and (e): the gap on the training path, one AdamW step at lr 1e-6, and its gradient norm
+    against a float32 model without FSDP or autocast."""
+    import grpo
+
+    batch.advantage = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
+    lp, _ = grpo.no_grad_logprobs(model, batch, cfg, compute, device)
+    stats = gap_stats(lp, batch.behav_logp, batch.completion_mask(), cfg)
+    params = list(model.parameters())
+    before = [local(p.detach()).clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+    live = {}
+
+    def record(*_):  # which weights received a non-zero gradient
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                live[i] = local(p.grad) != 0
+
+    optimizer.register_step_pre_hook(record)
+    reset_peak()
+    sync()
+    t0 = time.time()
+    metrics, _, _, _ = grpo.update_policy(cfg, model, policy, optimizer, batch, device, compute)
+    sync()
+    peaks["training"] = peak_bytes()
+    tps = int(batch.seq_len.sum()) / (time.time() - t0)
+    hit = sum(int(((local(params[i].detach()) != before[i]) & m).sum()) for i, m in live.items())
+    moved = hit / max(1, sum(int(m.sum()) for m in live.values()))
+    ref_norm = reference_grad_norm(cfg, path, batch, device)
+    rel, gap = abs(metrics["grad_norm"] / ref_norm - 1), metrics["rollout/logp_gap_mean"]
+    print(f"(c) |behaviour − trainer| log-prob of fresh tokens, training forward: mean {gap:.4f} "
+          f"(bound {a.max_gap_mean}), max {metrics['rollout/logp_gap_max']:.4f}; no-grad pass: "
+          f"mean "
+          f"{stats['mean']:.4f}, p99 {stats['p99']:.4f}, outside the clip range "
+          f"{100 * stats['outside_clip']:.3f} %")
+    print(f"(e) training {tps:.0f} tokens/s{mfu(model, tps, a)}; one AdamW step at lr 1e-6 moved "
+          f"{100 * moved:.2f} % of the weights with a non-zero gradient (need ≥ 99 %); grad norm "
+          f"{metrics['grad_norm']:.5g} vs the reference's {ref_norm:.5g} ({100 * rel:.2f} %, "
+          f"need ≤ {100 * a.max_grad_norm_diff:g} %)")
+    failures = [f"(c) mean gap {gap:.4f} > {a.max_gap_mean}"] * (not gap <= a.max_gap_mean)
+    failures += [f"(e) moved {100 * moved:.2f} % < 99 %"] * (moved < 0.99)
+    off = rel > a.max_grad_norm_diff
+    return failures + [f"(e) grad norm {100 * rel:.2f} % off the reference"] * off
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def reference_grad_norm(cfg, path: str, batch, device) -> float:
+    """The same update's gradient norm from float32 weights without FSDP (bf16 compute by autocast,
+    as one GPU without FSDP runs it), not clipped."""
+    import grpo
+    from rollout import load_model
+
+    model = load_model(path, dtype=torch.float32)[0].to(device)
+    ref_cfg = copy.deepcopy(cfg)
+    ref_cfg.model.parallel, ref_cfg.optim.grad_clip = "ddp", 0.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    bf16 = cfg.model.compute_dtype == "bfloat16"
+    compute = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else None
+    metrics, _, _, _ = grpo.update_policy(ref_cfg, model, model, optimizer, batch, device, compute)
+    del model
+    return metrics["grad_norm"]
+
+
+def memory_check(cfg, shape, peaks: dict, a) -> list[str]:
+    """(d): each phase's peak against bench/memory_plan.estimate at this batch and these lengths."""
+    from memory_plan import estimate
+
+    o = cfg.optim
+    e = estimate(shape, gpus=1, fsdp=True, micro_batch=o.micro_batch_size,
+                 micro_tokens=o.micro_batch_tokens, gen_batch=a.prompts * a.group_size,
+                 prompt=a.prompt_tokens, response=a.max_new_tokens,
+                 logprob_batch=o.logprob_batch_size)
+    resident = e["weights"] + e["gradients"] + e["optimizer"]
+    plan = {"generation": resident + e["generation"], "training": e["peak"]}
+    failures = []
+    for phase, want in plan.items():
+        ratio = peaks[phase] / want - 1
+        print(f"(d) peak memory, {phase}: {peaks[phase] / 1e9:.2f} GB, memory_plan "
+              f"{want / 1e9:.2f} GB "
+              f"({100 * ratio:+.1f} %)")
+        if ratio > 0.10:
+            failures.append(f"(d) {phase} memory {100 * ratio:+.1f} % over the plan")
+    return failures
+
+
+def mfu(model, tps: float, a) -> str:
+    if not torch.cuda.is_available():
+        return ""
+    name = torch.cuda.get_device_name()
+    peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    n = sum(p.numel() for p in model.parameters())
+    return f", MFU {100 * 6 * n * tps / (peak * 1e12):.1f} % on {name}" if peak else ""
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_bytes() -> float:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else math.nan
+
+
 def make_random_model(shape, folder: Path) -> str:
-    """A random-init Qwen2 of `shape` with the tiny tokenizer and its vocabulary (random weights: what matters here
-    is the shape; the output head is then far smaller than a real checkpoint's 152k rows)."""
+    """A random-init Qwen2 of `shape` (its real vocabulary) with the tiny tokenizer: ids past the
+    tokenizer's 274 decode to nothing, which is all a shape check needs."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from data.build_tiny_model import build_tokenizer
 
     if not (folder / "config.json").exists():
         tok = build_tokenizer()
-        cfg = Qwen2Config(vocab_size=len(tok), hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                          intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied, max_position_embeddings=4096,
-                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        cfg = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                          num_key_value_heads=shape.kv_heads,
+                          intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
+                          max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
         tok.save_pretrained(folder)
     return str(folder)

@@ -12,11 +12,13 @@ The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N 
   optimizer    8·P        AdamW's two float32 moments       (/N under fsdp)
   activations  with gradient checkpointing: L·b·T·H·a (each layer's input) + b·T·(4H + 3·(n_q + 2·n_kv)·d + 4I)·a·2
                (one layer recomputed, with its gradients); without it, L times the second term. b = micro-batch rows,
-               T = prompt + response tokens, a = bytes of the compute dtype (2 for bf16)
-  logits       b·T_l·V·(a + 12): the head's output, its float32 copy at the sampling temperature, and the float32
-               gradient / log-softmax temporaries (T_l = response tokens when each prompt is run once, else T)
+               T = prompt + response tokens (b·T = optim.micro_batch_tokens when set), a = bytes of the
+               compute dtype (2 for bf16)
+  logits       2·4·C + 4·V·H (+ 4·V·H when a = 2): the output layer runs in chunks of C = grpo.HEAD_CHUNK
+               float32 logits, recomputed in backward (two (chunk, V) temporaries), its float32 weight
+               gradient before it is accumulated, and the float32 copy of bf16 weights
   logprob pass the no-grad passes for π at the start of a step (optim.minibatches > 1) and the reference (beta > 0):
-               b_lp·T·V·(a + 8) + b_lp·T·H·8a, b_lp = optim.logprob_batch_size
+               b_lp·T·H·8a + 2·4·C (+ 4·V·H when a = 2), b_lp = optim.logprob_batch_size
   generation   KV cache  gen_batch·T·L·2·n_kv·d·2 (bf16), plus under fsdp the full bf16 weights 2·P, gathered once
                for the whole generation phase
   optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
@@ -81,14 +83,18 @@ SHAPES = {  # from the models' public config.json files
 
 
 def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: int, prompt: int, response: int,
-             checkpointing: bool = True, share_prompt: bool = False, act_bytes: int = 2,
-             logprob_batch: int = 0, lora_rank: int = 0) -> dict[str, float]:
+             checkpointing: bool = True, act_bytes: int = 2, logprob_batch: int = 0,
+             lora_rank: int = 0, micro_tokens: int = 0) -> dict[str, float]:
     """Bytes per GPU of each part (see the module docstring); `peak` is their sum as the phases add
     up. With lora_rank > 0 the base is frozen in the compute dtype and only the adapters (P_A)
     carry float32 weights, gradients and AdamW state."""
+    from grpo import HEAD_CHUNK
+
     P, shard = s.params(), (gpus if fsdp else 1)
-    T, b, a = prompt + response, micro_batch, act_bytes
-    layer = b * T * (4 * s.hidden + 3 * (s.heads + 2 * s.kv_heads) * s.head_dim + 4 * s.intermediate) * a * 2
+    T, a = prompt + response, act_bytes
+    bT = micro_tokens or micro_batch * T  # tokens of one micro-batch
+    layer = bT * (4 * s.hidden + 3 * (s.heads + 2 * s.kv_heads) * s.head_dim + 4 * s.intermediate) * a * 2
+    upcast = 4 * s.vocab * s.hidden * (a < 4)  # bf16 output-layer weights copied to float32
     trained = s.lora_params(lora_rank) if lora_rank else P  # what has gradients and AdamW state
     base = (a if lora_rank else 4) * P / shard  # a frozen base is held in the compute dtype
     parts = {
@@ -96,9 +102,9 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
         + (4 * s.layer_params() if fsdp else 0),
         "gradients": 4 * trained / shard,
         "optimizer": 8 * trained / shard,
-        "activations": (s.layers * b * T * s.hidden * a + layer) if checkpointing else s.layers * layer / 2,
-        "logits": b * (response if share_prompt else T) * s.vocab * (a + 12),
-        "logprob_pass": logprob_batch * T * s.vocab * (a + 8) + logprob_batch * T * s.hidden * a * 8,
+        "activations": (s.layers * bT * s.hidden * a + layer) if checkpointing else s.layers * layer / 2,
+        "logits": 2 * 4 * HEAD_CHUNK + 4 * s.vocab * s.hidden + upcast,
+        "logprob_pass": (logprob_batch * T * s.hidden * a * 8 + 2 * 4 * HEAD_CHUNK + upcast) * bool(logprob_batch),
         "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2 + (2 * P if fsdp else 0),
         "optimizer_step": 4 * trained / shard,
     }
@@ -119,7 +125,7 @@ def config_estimate(cfg, gpus: int, parallel: str) -> dict[str, float]:
                     micro_batch=o.micro_batch_size, gen_batch=cfg.rollout.gen_batch_size,
                     prompt=cfg.data.max_prompt_tokens, response=cfg.rollout.max_new_tokens,
                     checkpointing=cfg.model.gradient_checkpointing, logprob_batch=no_grad_rows,
-                    lora_rank=cfg.model.lora.rank)
+                    lora_rank=cfg.model.lora.rank, micro_tokens=o.micro_batch_tokens)
 
 
 def gb(e: dict, keys: tuple) -> str:

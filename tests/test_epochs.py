@@ -74,6 +74,9 @@ def old_grpo():
         spec.loader.exec_module(module)
     finally:
         path.unlink()
+    # The log-prob code moved on since (#24: the output layer in float32 chunks): compare the
+    # update around it, with today's log-probs in both.
+    module.completion_logprobs = grpo.completion_logprobs
     return module
 
 
@@ -94,7 +97,7 @@ def test_epochs_1_is_bit_identical_to_the_update_before_epochs(minibatches, offp
     assert moved, "the update changed the weights"
     assert torch.equal(new[4], old[4]), "the same RNG draws"
     assert torch.equal(new[1].nan_to_num(-1), old[1].nan_to_num(-1))
-    assert {k: v for k, v in new[0].items() if not k.startswith("optim/")} == old[0]
+    assert {k: v for k, v in new[0].items() if not k.startswith(("optim/", "rollout/"))} == old[0]
     assert new[0]["optim/epochs_run"] == 1.0 and new[0]["optim/gated"] == 0.0
 
 

@@ -6,9 +6,15 @@ check.
   python -m pytest -q tests/test_logprobs.py        # ~1 min on 2 CPU cores
 """
 
+import contextlib
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import grpo
@@ -264,3 +270,110 @@ def test_sampler_checks_finiteness_once_at_the_end():
     with pytest.raises(FloatingPointError, match="logits are not finite"):
         generate(model, tok, [tok("1+1=")["input_ids"]], cfg, [])
     assert len(calls) == 6  # every token was generated before the check
+
+
+# ------------------------------------------------------------------------------ FSDP (torchrun)
+
+
+@contextlib.contextmanager
+def counting_all_gathers(counter: list):
+    """Count FSDP2's all-gathers (dist.all_gather_single, looked up at each call) while inside."""
+    import torch.distributed as dist
+
+    real = dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        counter.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    try:
+        yield
+    finally:
+        dist.all_gather_single = real
+
+
+def fsdp_worker(model_dir: str, out: str) -> None:
+    """Under torchrun (2 processes, gloo): FSDP2 as load_policy shards it. Counts the all-gathers of
+    one training forward/backward before and after a generation phase (full_weights), and checks
+    that every module's reshard-after-forward setting comes back as found, for a generation phase
+    before the first forward too (train.py's step-0 eval); and which path a compiled FSDP policy's
+    training forward takes."""
+    import torch.distributed as dist
+
+    from rollout import load_policy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    tok = build_tokenizer()
+    cfg = update_cfg("dapo")
+    cfg.model.path, cfg.model.parallel = model_dir, "fsdp"
+    result = {}
+    for first in ("generation", "training"):
+        model, policy, _, _, compute = load_policy(cfg, model_dir, torch.device("cpu"), 2)
+        sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        batch = synthetic_batch(model.config.vocab_size, seed=dist.get_rank())
+        rollout_cfg = RolloutConfig(group_size=2, max_new_tokens=4)
+        prompt = [tok("1+1=")["input_ids"]]
+        if first == "generation":
+            with rollout.full_weights(model, compute):
+                generate(model, tok, prompt, rollout_cfg, [])
+        gathers = {}
+        for phase in ("before", "after"):
+            counter = []
+            with counting_all_gathers(counter):
+                logp, _ = grpo._logprobs(policy, batch, cfg, torch.device("cpu"))
+                logp.sum().backward()
+            gathers[phase] = len(counter)
+            settings = [rollout._reshard_setting(m) for m in sharded]
+            with rollout.full_weights(model, compute):
+                generate(model, tok, prompt, rollout_cfg, [])
+            restored = [rollout._reshard_setting(m) for m in sharded] == settings
+            result[f"{first}_{phase}_restored"] = restored
+        result[f"{first}_gathers"] = gathers
+    calls = []
+    real = grpo.completion_logprobs
+    grpo.completion_logprobs = lambda *a, **k: calls.append(k["share_prompt"])  # not run
+    grpo._logprobs(torch.compile(model, backend="eager"), batch, cfg, torch.device("cpu"))
+    result["compiled_fsdp_share_prompt"] = calls
+    grpo.completion_logprobs = real
+    Path(f"{out}.rank{dist.get_rank()}").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_result(tmp_path_factory):
+    from tests.test_scale import torchrun
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    tok = build_tokenizer()
+    model = tiny_qwen3(len(tok))
+    model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    model.save_pretrained(tmp / "model")
+    tok.save_pretrained(tmp / "model")
+    torchrun("tests/test_logprobs.py", "--worker", str(tmp / "model"), str(tmp / "out.json"))
+    return [json.loads((tmp / f"out.json.rank{r}").read_text()) for r in range(2)]
+
+
+def test_fsdp_reshard_settings_restored_after_generation(fsdp_result):
+    """full_weights sets reshard-after-forward off for generation and puts each module's own setting
+    back: a training forward/backward costs as many all-gathers after a generation phase as before
+    (it used to set the root to reshard, one more all-gather of the root's weights per backward),
+    whether or not a forward ran before the first generation."""
+    for r in fsdp_result:
+        for first in ("generation", "training"):
+            assert r[f"{first}_before_restored"] and r[f"{first}_after_restored"], first
+            gathers = r[f"{first}_gathers"]
+            assert gathers["before"] == gathers["after"] > 0, (first, gathers)
+        assert r["generation_gathers"] == r["training_gathers"]
+
+
+def test_compiled_fsdp_policy_runs_whole_rows(fsdp_result):
+    """model.compile with FSDP: the compiled module is seen as FSDP-wrapped, so a training forward
+    never backpropagates through a prompt KV cache whose weights were already resharded."""
+    for r in fsdp_result:
+        assert r["compiled_fsdp_share_prompt"] == [False]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    fsdp_worker(*sys.argv[2:4])
