@@ -172,6 +172,8 @@ def hf_module(model):
             model = model._orig_mod
         elif hasattr(model, "get_base_model"):  # peft's LoRA wrapper
             model = model.get_base_model()
+        elif not isinstance(model, torch.nn.Module):  # a plain wrapper (lora.AdaptersOff)
+            model = model.model
         else:
             return model
 
