@@ -635,6 +635,21 @@ class GroupReplay(Replay):
         return Rollouts.cat([fresh.select(~torch.isin(fresh.group, drop)), replayed], self.pad_id)
 
 
+def row_bytes(max_len: int) -> int:
+    """Bytes of one Rollouts row of `max_len` tokens, every field included."""
+    row = Rollouts.empty(1, 1, 0)
+    sizes = [getattr(row, f.name) for f in fields(Rollouts)]
+    return sum(t.element_size() * (max_len if t.dim() == 2 else 1) for t in sizes)
+
+
+def buffer_bytes(cfg: ReplayConfig, max_len: int) -> int:
+    """Bytes the buffer preallocates for rows of up to `max_len` tokens (0 for none, which stores nothing): a
+    Rollouts row per slot, and its `valid`, `used` and `score`."""
+    if STRATEGIES.get(cfg.strategy, Replay) is Replay:
+        return 0
+    return cfg.capacity * (row_bytes(max_len) + 1 + 4 + 4)
+
+
 def make_replay(cfg: ReplayConfig, max_len: int, pad_id: int, seed: int) -> Replay:
     """The buffer for `cfg.strategy`, its sampling generator seeded from `seed`; a bad config raises ValueError."""
     bad = [f"replay.{k} must be {rule}, got {getattr(cfg, k)!r}" for k, (ok, rule) in cfg.check().items() if not ok]

@@ -66,14 +66,24 @@ class RewardConfig:
 
     def check(self) -> dict[str, tuple[bool, str]]:
         """{field: (ok, what it must be)} for every field whose value could be nonsense; never raises."""
-        num = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
-               for k, v in vars(self).items()}  # nan for what is not a number: every comparison with it is False
+        num = {k: _as_float(v) for k, v in vars(self).items()}  # nan: every comparison with it is False
         rules = {k: (0 < num[k] < math.inf, "> 0 and finite") for k in ("timeout", "batch_budget")}
         rules |= {k: (isinstance(getattr(self, k), int) and num[k] >= n, f"an integer ≥ {n}")
                   for k, n in (("workers", 1), ("overlong_buffer", 0))}
+        rules["workers"] = (rules["workers"][0] and num["workers"] <= 256, "an integer in [1, 256] (each a process)")
         rules |= {k: (0 <= num[k] < math.inf, "≥ 0 and finite") for k in ("rel_tol", "overlong_factor")}
         rules |= {k: (math.isfinite(num[k]), "finite") for k in ("correct", "wrong", "no_answer", "format_bonus")}
         return {k: (bool(ok), rule) for k, (ok, rule) in rules.items()}
+
+
+def _as_float(v) -> float:
+    """`v` as a float (an integer too large for one: ±inf); nan for what is not a number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
 
 
 MAX_TEXT = 20_000  # only the tail of a completion is searched: the final answer is at the end

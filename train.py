@@ -45,7 +45,7 @@ from tqdm import tqdm
 import grpo
 import lora
 import vllm_engine
-from config import Config, ConfigError, flat_dict, load_config, save_config, validate
+from config import Config, ConfigError, budget, check_rules, flat_dict, load_config, save_config, validate
 from data.loaders import load_task, prompt_order
 from eval import evaluate, summarize
 from grpo import all_ranks, timed
@@ -82,6 +82,7 @@ def main(argv: list[str]) -> int:
         return train(cfg, resume=flags.get("--resume"), overwrite="--overwrite" in flags)
     except (ConfigError, RunError) as e:  # bad input; any other exception is a bug and keeps its traceback
         if "--debug" in flags:
+            e.__suppress_context__ = False  # the exception it replaced, traceback and all, is shown too
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -412,6 +413,7 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     optimizer = torch.optim.AdamW(trained, lr=cfg.optim.lr, betas=betas,
                                   weight_decay=cfg.optim.weight_decay)
     max_len = max(map(len, prompts)) + cfg.rollout.max_new_tokens
+    check_rules(cfg, budget(cfg, len(eval_prompts), max_len))  # with the real prompts, before the buffer exists
     replay = make_replay(cfg.replay, max_len, tokenizer.pad_token_id, cfg.seed + rank)
     r = Run(cfg, out, rank, world, device, model, policy, tokenizer, ref, compute, optimizer, replay, prompts,
             [p.answer for p in problems], eval_prompts, [p.answer for p in eval_problems], stop,

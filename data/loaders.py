@@ -18,9 +18,14 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+MAX_LINE = 64 << 20  # bytes of one JSONL row; real rows (long proofs, chat transcripts) stay under 1 MB
+PARSED_BYTES = 8  # peak memory per byte of a data file, rows as dicts then Problems (measured: 8.3 on tiny rows)
 
 
 @dataclass
@@ -98,33 +103,90 @@ def _read_rows(spec: str, data_dir: str | None, limit: int | None) -> tuple[str,
         if path is None:
             raise FileNotFoundError(f"{stem}.jsonl not found (nor .parquet) for benchmark {spec!r}")
         source = spec
+    elif not spec.strip():
+        raise ValueError("an empty data spec (a stray comma in a list?)")
     elif spec.endswith((".jsonl", ".parquet")) or Path(spec).exists():
         path, source = Path(spec), Path(spec).stem
-        if not path.exists():
-            raise FileNotFoundError(f"{path} not found")
     else:
         raise ValueError(f"unknown benchmark {spec!r}; expected tiny, {', '.join(NAMED)}, a .jsonl/.parquet path or hf:NAME")
+    with open_regular(path) as f:  # a FIFO or a device is refused before anything reads it
+        size = os.fstat(f.fileno()).st_size
+    if limit is None and size * PARSED_BYTES > machine_memory():
+        raise ValueError(f"{path} is {size / 2**30:.1f} GB; parsed, its rows take ~{PARSED_BYTES}× that, more than "
+                         f"this machine's {machine_memory() / 2**30:.0f} GB")
     rows = _read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path, limit)
     return source, rows[:limit], str(path)
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def open_regular(path: str | Path, max_bytes: int | None = None):
+    """`path` opened for binary reading if it is a regular file (or a link to one), else ValueError naming it. A FIFO
+    would block the open forever and /dev/zero never ends: both are refused before a byte is read (O_NONBLOCK keeps
+    the open itself from waiting). `max_bytes` refuses larger files."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found") from None
+    except OSError as e:
+        raise OSError(f"{path}: {e.strerror}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a pipe, device or socket"
+        raise ValueError(f"{path} is {kind}, not a regular file")
+    if max_bytes is not None and info.st_size > max_bytes:
+        os.close(fd)
+        raise ValueError(f"{path} is {info.st_size / 2**20:.1f} MB, over the {max_bytes / 2**20:.0f} MB this "
+                         "file may hold")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows of a JSONL file (blank lines skipped); a bad line raises ValueError naming file and line."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(rows) >= limit:
+    with open_regular(path) as f:
+        lineno = 0
+        while limit is None or len(rows) < limit:
+            line, lineno = f.readline(MAX_LINE + 1), lineno + 1
+            if not line:
                 break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise TypeError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+            if len(line) > MAX_LINE:
+                raise ValueError(f"{path}:{lineno}: a line over {MAX_LINE >> 20} MB, not a JSONL row")
+            row = json_line(line, path, lineno)
+            if row is not None:
+                rows.append(row)
     return rows
+
+
+def json_line(line: bytes, path, lineno: int) -> dict | None:
+    """One JSONL line as an object (None when blank), or ValueError naming file and line."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text") from None
+    if not text.strip():
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # the C decoder checks its depth: nothing is half-built when this arrives
+        raise ValueError(f"{path}:{lineno}: JSON nested deeper than Python parses") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise ValueError(f"{path}:{lineno}: {e}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
 
 
 def _read_parquet(path: Path) -> list[dict]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from fractions import Fraction
 from math import lcm
@@ -76,13 +77,37 @@ def make_problem(rng: random.Random, kind: str, max_int: int, max_den: int) -> d
     return {"problem": problem, "answer": answer, "solution": solution, "kind": kind}
 
 
+KINDS = ("add", "mul", "frac", "lin")
+PROBLEM_BYTES = 800  # peak memory per generated problem, its prompt ids included (measured: 625 before tokenizing)
+
+
 def parse_kinds(kinds: str) -> tuple[list[str], list[float]]:
+    """`kind:weight` pairs as (names, weights); ValueError for an unknown kind or a weight that is not a finite
+    number ≥ 0, or when no weight is positive."""
     names, weights = [], []
     for part in kinds.split(","):
         name, _, w = part.partition(":")
+        try:
+            weight = float(w) if w else 1.0
+        except ValueError:
+            weight = math.nan
+        if name.strip() not in KINDS or not 0 <= weight < math.inf:
+            raise ValueError(f"{part!r} is not kind:weight with a kind of {', '.join(KINDS)} and a weight ≥ 0")
         names.append(name.strip())
-        weights.append(float(w) if w else 1.0)
+        weights.append(weight)
+    if not sum(weights) > 0:
+        raise ValueError("no kind has a positive weight")
     return names, weights
+
+
+def distinct_problems(max_int: int, max_den: int, kinds: str) -> int:
+    """An upper bound on the distinct problems the task can make (kinds of weight 0 excluded): a split asks for at
+    most this many, or its search for new ones never ends."""
+    b = 2 * (max_int // 2) + 1  # the operands drawn from [-max_int // 2, max_int // 2]
+    count = {"add": 2 * (2 * max_int + 1) ** 2, "mul": 19 * b, "frac": 2 * (max_den * (max_den - 1)) ** 2,
+             "lin": 10 * 38 * b}  # lin: 10 coefficients, 38 values of x (halves included), b constants
+    names, weights = parse_kinds(kinds)
+    return sum(count[n] for n, w in zip(names, weights) if w > 0)
 
 
 def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 20, max_den: int = 6, kinds: str = DEFAULT_KINDS) -> list[dict]:
