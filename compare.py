@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 
 import mpmath
-import yaml
 
-from data.loaders import read_jsonl
+from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
 
 FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
           "tokens_ratio", "steps_to_target", "aes", "area"]
@@ -33,13 +32,8 @@ def load_run(path: str | Path) -> dict:
     optim.epochs = 2, `epochs4+gate` with optim.gate), seed, final figures, eval curve
     [(step, generated tokens, accuracy, standard error)]; step 0 after RLEP's phase I."""
     path = Path(path)
-    if not (path / "metrics.jsonl").is_file() and not (path / "summary.json").is_file():
-        raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
-    summary = json.loads(read(path / "summary.json") or "{}")
-    config = yaml.safe_load(read(path / "config.yaml")) or {}
-    rows = [{}]  # an empty row: no eval, nothing generated
-    if (path / "metrics.jsonl").is_file():
-        rows = read_jsonl(path / "metrics.jsonl")
+    summary, config, rows = read_run(path)
+    rows = rows or [{}]  # an empty row: no eval, nothing generated
     strategy = summary.get("strategy") or (config.get("replay") or {}).get("strategy")
     if strategy is None:
         raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
@@ -64,8 +58,47 @@ def load_run(path: str | Path) -> dict:
             "entropy": summary.get("eval_entropy_final", last.get("eval/entropy"))}
 
 
-def read(file: Path) -> str:
-    return file.read_text() if file.is_file() else ""
+NUMBER = (int, float)
+SUMMARY = {"strategy": str, "seed": int, "eval_accuracy_initial": NUMBER, "eval_response_len_final": NUMBER,
+           "tokens_generated_total": NUMBER, "eval_entropy_final": NUMBER}  # what load_run reads; null allowed
+ROW = {"step": int, "generated_tokens": NUMBER, "tokens/generated_total": NUMBER, "eval/accuracy": NUMBER,
+       "eval/accuracy_se": NUMBER, "eval/response_len": NUMBER, "eval/entropy": NUMBER}
+
+
+def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
+    """(summary.json, config.yaml, metrics.jsonl rows) of a run folder: one of summary and metrics at
+    least. Only regular files are read, under size and depth bounds, and every field load_run uses is
+    checked: ValueError naming the file (and line) otherwise."""
+    files = {name: path / name for name in ("summary.json", "config.yaml", "metrics.jsonl")}
+    if not files["metrics.jsonl"].exists() and not files["summary.json"].exists():
+        raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
+    summary, config, numbered = {}, {}, []
+    if files["summary.json"].exists():
+        with open_regular(files["summary.json"], 1 << 20) as f:
+            summary = json_line(f.read(), files["summary.json"], 1) or {}
+        check_fields(summary, SUMMARY, str(files["summary.json"]))
+    if files["config.yaml"].exists():
+        config = read_yaml_file(files["config.yaml"]) or {}
+        sections = isinstance(config, dict) and all(isinstance(config.get(k, {}), dict) for k in ("replay", "rollout"))
+        if not sections:
+            raise ValueError(f"{files['config.yaml']}: not a run's config (a mapping with replay and rollout sections)")
+    if files["metrics.jsonl"].exists():
+        numbered = jsonl_rows(files["metrics.jsonl"])
+    for lineno, row in numbered:
+        check_fields(row, ROW, f"{files['metrics.jsonl']}:{lineno}")
+        if row.get("step") is None or row.get("generated_tokens") is None:
+            raise ValueError(f"{files['metrics.jsonl']}:{lineno}: a row without step or generated_tokens")
+    return summary, config, [row for _, row in numbered]
+
+
+def check_fields(row: dict, schema: dict, where: str) -> None:
+    """ValueError naming `where` and the field, for a field of `schema` in `row` of another type (null
+    is allowed; a bool is not a number)."""
+    for key, types in schema.items():
+        value = row.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            want = "a number" if types is NUMBER else types.__name__
+            raise ValueError(f"{where}: {key} must be {want}, got {json.dumps(value)[:40]}")
 
 
 def area(curve: list[tuple], budget: float) -> float | None:
@@ -324,6 +357,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                     "baseline's mean total)")
     ap.add_argument("--aes-weights", type=float, nargs=3, default=[1.0, 3.0, 5.0],
                     metavar=("A", "B", "G"), help="AES's length, gain and loss weights")
+    ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:
         if args.budget is not None and not args.budget > 0:
@@ -343,7 +377,9 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
             print(f"\nnot in the area (short of the {budget:,.0f}-token budget, which --budget "
                   f"sets, or no step-0 eval): {', '.join(short)}")
         write(Path(args.out_dir), rows, {"target": target, "budget": budget, "strategies": summary})
-    except (OSError, ValueError, yaml.YAMLError) as e:
+    except (OSError, ValueError) as e:
+        if args.debug:
+            raise
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -21,7 +21,7 @@ import yaml
 
 import vllm_engine
 from grpo import GRPOConfig
-from data.loaders import machine_memory, open_regular
+from data.loaders import machine_memory, read_yaml_file
 from data.tiny_task import PROBLEM_BYTES, distinct_problems
 from lora import LoraConfig
 from replay import ReplayConfig, buffer_bytes, row_bytes
@@ -298,88 +298,17 @@ def _flatten(d: dict, prefix: str = "") -> dict:
                                                          else {f"{prefix}{name}": x}).items()}
 
 
-MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB: this bounds what a bad or hostile file can cost
-MAX_DEPTH = 32  # nesting of a config (sections are one level, a list two)
-MAX_EXPANDED = 4_000_000  # nodes plus scalar characters once every alias is expanded (a real config: < 10,000)
 MAX_BASES = 16  # files in one `base:` chain
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses nesting deeper than MAX_DEPTH while it composes (PyYAML composes by recursion:
-    a file nested thousands deep would end in RecursionError)."""
-
-    depth = 0
-
-    def compose_node(self, parent, index):
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise ConfigError(f"nested more than {MAX_DEPTH} levels deep")
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-
-def _children(node) -> list:
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
-
-
-def _expanded(root) -> tuple[int, int]:
-    """(size, depth) of a YAML node graph once every alias is expanded: size counts nodes and scalar characters.
-    Aliases share nodes, so each node is measured once (a billion-laughs file is a few dozen nodes that expand to
-    10^9); a node that contains an alias of itself is refused. Iterative: an alias chain may be long."""
-    done, open_, stack = {}, set(), [(root, False)]
-    while stack:
-        node, measured = stack.pop()
-        if id(node) in done:
-            continue
-        kids = _children(node)
-        if measured:
-            open_.discard(id(node))
-            size = len(node.value) if isinstance(node, yaml.ScalarNode) else 1
-            size += sum(done[id(k)][0] for k in kids)
-            done[id(node)] = (size, 1 + max((done[id(k)][1] for k in kids), default=0))
-            continue
-        if id(node) in open_:
-            raise ConfigError("an alias refers to a node that contains it")
-        open_.add(id(node))
-        stack.append((node, True))
-        stack.extend((k, False) for k in kids if id(k) not in done)
-    return done[id(root)]
-
-
 def load_yaml(path: str | Path):
-    """The YAML document in `path`, loaded under bounds: a regular file of at most 1 MB, nested at most MAX_DEPTH
-    deep and at most MAX_EXPANDED large once aliases are expanded, checked before any Python object is built.
-    Everything wrong is a ConfigError naming the file."""
+    """data.loaders.read_yaml_file (bounded loading) with its errors as ConfigError naming the config file."""
     try:
-        with open_regular(path, MAX_CONFIG_BYTES) as f:
-            raw = f.read()
+        return read_yaml_file(path)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except (ValueError, OSError) as e:  # not a regular file, over 1 MB, unreadable
+    except (ValueError, OSError) as e:
         raise ConfigError(f"config file {oneline(e)}") from None
-    try:
-        loader = _BoundedLoader(raw.decode("utf-8"))
-        try:
-            node = loader.get_single_node()
-            size, depth = _expanded(node) if node is not None else (0, 0)
-            if size > MAX_EXPANDED or depth > MAX_DEPTH:
-                raise ConfigError(f"its aliases expand to {size:,} nodes and characters, {depth} levels deep "
-                                  f"(at most {MAX_EXPANDED:,} and {MAX_DEPTH})")
-            return loader.construct_document(node) if node is not None else None
-        finally:
-            loader.dispose()
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path} is not UTF-8 text") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    except ConfigError as e:
-        raise ConfigError(f"config file {path}: {e}") from None
-    except ValueError as e:  # a date or an integer of the file that Python cannot build
-        raise ConfigError(f"config file {path}: {oneline(e)}") from None
 
 
 def oneline(e: Exception, n: int = 300) -> str:

@@ -30,8 +30,9 @@ from tqdm import tqdm
 import compare
 import rewards
 import vllm_engine
+from config import MAX_EVAL_SAMPLES, MAX_STEP_TOKENS
 from data.loaders import NAMED, Problem, load_problems
-from rollout import RolloutConfig, end_ids, generate, load_model, prompt_ids
+from rollout import ChatTemplateError, RolloutConfig, end_ids, generate, load_model, prompt_ids, template_warnings
 
 DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -126,9 +127,12 @@ def results_table(results: dict[str, dict], k: int) -> str:
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
+class BadInput(Exception):
+    """Bad input: main prints it on one line and exits 2 (with --debug, the traceback of what caused it)."""
+
+
 def fail(msg: str) -> None:
-    print(f"eval.py: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+    raise BadInput(msg)
 
 
 def default_out_dir(model: str) -> Path:
@@ -145,12 +149,19 @@ def run_eval(args) -> None:
                     (args.batch_size >= 1, f"--batch-size must be ≥ 1, got {args.batch_size}"),
                     (args.temperature >= 0, f"--temperature must be ≥ 0, got {args.temperature}"),
                     (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
-                    ("{problem}" in args.template, "--template must contain {problem}")]:
-        fail(msg) if not ok else None
+                    ("{problem}" in args.template, "--template must contain {problem}"),
+                    (0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")]:
+        if not ok:
+            fail(msg)
     out = Path(args.out_dir) if args.out_dir else default_out_dir(args.model)
     for f in (out / "results.json", Path(args.save_correct or "")) if not args.overwrite else ():
-        fail(f"{f} exists; pass --overwrite to replace it or --out-dir to write elsewhere") if f.is_file() else None
-    fail(f"--out-dir {out} is a file") if out.exists() and not out.is_dir() else None
+        if f.is_file():
+            fail(f"{f} exists; pass --overwrite to replace it or --out-dir to write elsewhere")
+    for f in (out / "results.json", Path(args.save_correct or "")):
+        if f.name and f.exists() and not f.is_file():  # writing into a FIFO waits for a reader forever
+            fail(f"{f} exists and is not a regular file")
+    if out.exists() and not out.is_dir():
+        fail(f"--out-dir {out} is a file")
     benchmarks = {}
     for spec in args.benchmarks.split(","):
         try:  # all data first, so a typo fails before a slow model load
@@ -158,8 +169,13 @@ def run_eval(args) -> None:
             name = spec if named else Path(spec).stem
             benchmarks[name] = load_problems(spec, data_dir=args.data_dir, problem_key=args.problem_key,
                                              answer_key=args.answer_key, limit=args.limit)
-        except (ValueError, FileNotFoundError, ImportError, TypeError) as e:
+        except (ValueError, OSError, ImportError, TypeError) as e:
             fail(str(e))
+    samples = args.k * sum(map(len, benchmarks.values()))
+    if samples > MAX_EVAL_SAMPLES or samples * args.max_new_tokens > MAX_STEP_TOKENS:
+        fail(f"--k {args.k} × {samples // args.k:,} problems × --max-new-tokens {args.max_new_tokens} = "
+             f"{samples:,} samples and {samples * args.max_new_tokens:,} tokens, over {MAX_EVAL_SAMPLES:,} samples "
+             f"(their records alone take GBs) or {MAX_STEP_TOKENS:,} tokens (no eval finishes); lower --k or --limit")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -171,6 +187,9 @@ def run_eval(args) -> None:
                              top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.batch_size)
     torch.manual_seed(args.seed)
     results, records, prompts = {}, {}, {}
+    said = template_warnings(tokenizer, args.system_prompt) if args.chat_template else []
+    for what in said:
+        print(f"eval.py: warning: {args.model}: its chat template {what}: the model never sees it", file=sys.stderr)
     for name, problems in benchmarks.items():
         prompts[name] = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template,
                                     args.system_prompt) for p in problems]
@@ -265,8 +284,23 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--save-correct", metavar="JSONL", help="write every verified-correct completion (RLEP phase I)")
     g.add_argument("--overwrite", action="store_true", help="replace existing results")
+    ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
-    run_eval(args)
+    try:
+        run_eval(args)
+    except ChatTemplateError as e:
+        fix = "--system-prompt '' or --no-chat-template" if e.system else "--no-chat-template"
+        error_exit(BadInput(f"model {args.model}: its chat template {e.said}; pass {fix}"), args.debug)
+    except BadInput as e:
+        error_exit(e, args.debug)
+
+
+def error_exit(e: BadInput, debug: bool) -> None:
+    """One line and exit 2; with --debug, the traceback of `e` and of the exception it replaced."""
+    if debug:
+        raise e
+    print(f"eval.py: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import jinja2
 import torch
 import torch.distributed as dist
 import transformers
@@ -363,6 +364,43 @@ def _restore_reshard_setting(module, setting: tuple) -> None:
         group.post_forward_mesh_info = mesh_info
 
 
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template failed on a prompt: `said` is what it said (or why it failed), `system` whether
+    the conversation had a system turn. train.py and eval.py name the model and the setting to change."""
+
+    def __init__(self, said: str, system: bool):
+        super().__init__(said)
+        self.said, self.system = said, system
+
+
+def render_chat(tokenizer, turns: list[dict]) -> str:
+    """The chat template applied to `turns` (a generation prompt added), or ChatTemplateError."""
+    try:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 -- raise_exception(), a syntax error, or whatever a template's code raises
+        words = " ".join(str(e).split())[:200]
+        if isinstance(e, jinja2.TemplateSyntaxError):
+            said = f"does not parse ({words}, line {e.lineno})"
+        elif type(e) is jinja2.TemplateError:  # what the template's raise_exception('...') raises
+            said = f"refuses the conversation: {words!r}"
+        else:
+            said = f"fails ({type(e).__name__}: {words})"
+        syntax = isinstance(e, jinja2.TemplateSyntaxError)  # fails whatever the turns
+        raise ChatTemplateError(said, turns[0]["role"] == "system" and not syntax) from e
+
+
+def template_warnings(tokenizer, system_prompt: str) -> list[str]:
+    """What the chat template silently leaves out of a probe conversation (the system turn, the user's text): the
+    model would never see it. ChatTemplateError if the template fails on the probe."""
+    if not tokenizer.chat_template:
+        return []
+    user = "What is 12+30? (a probe of the chat template)"
+    turns = [{"role": "system", "content": system_prompt}] * bool(system_prompt.strip())
+    text = render_chat(tokenizer, turns + [{"role": "user", "content": user}])
+    out = ["leaves out the system turn"] * bool(turns and system_prompt.strip() not in text)
+    return out + ["leaves out the user's text"] * (user not in text)
+
+
 def prompt_ids(tokenizer, problem: str, template: str, chat: bool, system_prompt: str = "") -> list[int]:
     """Token ids of one prompt: `template` with {problem} replaced (plain text: other braces stay), wrapped in the
     tokenizer's chat template when `chat` and it has one, `system_prompt` as a system turn when set. A chat template
@@ -371,7 +409,7 @@ def prompt_ids(tokenizer, problem: str, template: str, chat: bool, system_prompt
     if chat:
         turns = [{"role": "system", "content": system_prompt}] * bool(system_prompt)
         turns.append({"role": "user", "content": text})
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        text = render_chat(tokenizer, turns)
     return tokenizer(text, add_special_tokens=not chat)["input_ids"]
 
 

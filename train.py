@@ -51,7 +51,8 @@ from eval import evaluate, summarize
 from grpo import all_ranks, timed
 from replay import make_replay
 from rewards import overlong_penalty, score_batch
-from rollout import Rollouts, build_prompts, end_ids, fsync, full_weights, generate, load_policy, pack, save_model
+from rollout import (ChatTemplateError, Rollouts, build_prompts, end_ids, fsync, full_weights, generate, load_policy, pack,
+                     save_model, template_warnings)
 
 RUN_FILES = {".run", ".lock", ".overwritten", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final",
              "wandb", "eval"}  # what runs write in out_dir: all --overwrite may set aside
@@ -400,8 +401,15 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
         raise RunError(f"{'checkpoint' if ck else 'model.path'} {path}: {type(e).__name__}: {oneline(e)}") from None
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     limit = cfg.data.max_prompt_tokens or context - cfg.rollout.max_new_tokens
-    (prompts, problems, dropped), (eval_prompts, eval_problems, eval_dropped) = (
-        build_prompts(tokenizer, ps, cfg.data, limit) for ps in (problems, eval_problems))
+    try:
+        (prompts, problems, dropped), (eval_prompts, eval_problems, eval_dropped) = (
+            build_prompts(tokenizer, ps, cfg.data, limit) for ps in (problems, eval_problems))
+        system = cfg.data.system_prompt or next((p.system for p in problems if p.system), "")
+        said = template_warnings(tokenizer, system) if cfg.data.chat_template else []
+    except ChatTemplateError as e:
+        raise RunError(f"model.path {path}: its chat template {e.said}; {template_advice(e, cfg)}") from e
+    for what in said if rank == 0 else []:
+        print(f"warning: model.path {path}: its chat template {what}: the model never sees it", file=sys.stderr)
     if not prompts or not eval_prompts:
         what = "eval" if prompts else "training"
         raise RunError(f"every {what} prompt is over {limit} tokens (data.max_prompt_tokens, rollout.max_new_tokens "
@@ -462,6 +470,15 @@ def sync_engine(r: Run, t: dict) -> None:
                 weights = vllm_engine.full_parameters(r.model, dtype)
             r.engine.sync(weights)
             r.synced_at = r.optimizer_steps
+
+
+def template_advice(e: ChatTemplateError, cfg: Config) -> str:
+    """Which setting avoids a chat template's failure."""
+    if e.system and cfg.data.system_prompt:
+        return "set data.system_prompt= (no system turn) or data.chat_template=false (plain prompts)"
+    if e.system:
+        return "the data's rows carry a system turn: set data.chat_template=false (plain prompts)"
+    return "set data.chat_template=false (plain prompts) or fix the template in the model folder"
 
 
 def open_log(r: Run, resumed: bool):

@@ -24,6 +24,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 MAX_LINE = 64 << 20  # bytes of one JSONL row; real rows (long proofs, chat transcripts) stay under 1 MB
 PARSED_BYTES = 8  # peak memory per byte of a data file, rows as dicts then Problems (measured: 8.3 on tiny rows)
 
@@ -153,6 +155,12 @@ def open_regular(path: str | Path, max_bytes: int | None = None):
 
 def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows of a JSONL file (blank lines skipped); a bad line raises ValueError naming file and line."""
+    return [row for _, row in jsonl_rows(path, limit)]
+
+
+def jsonl_rows(path: str | Path, limit: int | None = None) -> list[tuple[int, dict]]:
+    """(line number, row) of each JSON object of a JSONL file, blank lines skipped, at most `limit` rows. Only a
+    regular file is read, each line at most MAX_LINE bytes; a bad line raises ValueError naming file and line."""
     rows = []
     with open_regular(path) as f:
         lineno = 0
@@ -164,8 +172,85 @@ def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
                 raise ValueError(f"{path}:{lineno}: a line over {MAX_LINE >> 20} MB, not a JSONL row")
             row = json_line(line, path, lineno)
             if row is not None:
-                rows.append(row)
+                rows.append((lineno, row))
     return rows
+
+
+MAX_YAML_BYTES = 1 << 20  # a config is a few KB: this bounds what a bad or hostile file can cost
+MAX_YAML_DEPTH = 32  # nesting of a config (sections are one level, a list two)
+MAX_EXPANDED = 4_000_000  # nodes plus scalar characters once every alias is expanded (a real config: < 10,000)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses nesting deeper than MAX_YAML_DEPTH while it composes (PyYAML composes by
+    recursion: a file nested thousands deep would end in RecursionError)."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        if self.depth > MAX_YAML_DEPTH:
+            raise ValueError(f"nested more than {MAX_YAML_DEPTH} levels deep")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _expanded(root) -> tuple[int, int]:
+    """(size, depth) of a YAML node graph once every alias is expanded; size counts nodes and scalar
+    characters. Aliases share nodes, so each node is measured once (a billion-laughs file is a few
+    dozen nodes that expand to 10^9); a node holding an alias of itself is refused. Iterative: an
+    alias chain may be long."""
+    done, open_, stack = {}, set(), [(root, False)]
+    while stack:
+        node, measured = stack.pop()
+        if id(node) in done:
+            continue
+        kids = _children(node)
+        if measured:
+            open_.discard(id(node))
+            size = len(node.value) if isinstance(node, yaml.ScalarNode) else 1
+            size += sum(done[id(k)][0] for k in kids)
+            done[id(node)] = (size, 1 + max((done[id(k)][1] for k in kids), default=0))
+            continue
+        if id(node) in open_:
+            raise ValueError("an alias refers to a node that contains it")
+        open_.add(id(node))
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in done)
+    return done[id(root)]
+
+
+def read_yaml_file(path: str | Path):
+    """The YAML document in `path`, loaded under bounds checked before any Python object is built: a
+    regular file of at most MAX_YAML_BYTES, nested at most MAX_YAML_DEPTH deep and at most
+    MAX_EXPANDED large once aliases are expanded. ValueError naming the file otherwise."""
+    with open_regular(path, MAX_YAML_BYTES) as f:
+        raw = f.read()
+    try:
+        loader = _BoundedLoader(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    try:
+        node = loader.get_single_node()
+        size, depth = _expanded(node) if node is not None else (0, 0)
+        if size > MAX_EXPANDED or depth > MAX_YAML_DEPTH:
+            raise ValueError(f"its aliases expand to {size:,} nodes and characters, {depth} levels "
+                             f"deep (at most {MAX_EXPANDED:,} and {MAX_YAML_DEPTH})")
+        return loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except ValueError as e:  # ours, or a date or an integer of the file that Python cannot build
+        raise ValueError(f"{path}: {' '.join(str(e).split())[:300]}") from None
+    finally:
+        loader.dispose()
 
 
 def json_line(line: bytes, path, lineno: int) -> dict | None:

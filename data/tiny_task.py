@@ -113,6 +113,15 @@ def distinct_problems(max_int: int, max_den: int, kinds: str) -> int:
 def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 20, max_den: int = 6, kinds: str = DEFAULT_KINDS) -> list[dict]:
     """`n` distinct problems. `split="test"` uses the fixed TEST_SEED; `"train"` uses `seed` and skips test problems."""
     names, weights = parse_kinds(kinds)
+    most = distinct_problems(max_int, max_den, kinds) - 500 * (split == "train")  # its search would never end
+    if n > most:
+        raise ValueError(f"tiny task: {n:,} {split} problems asked, at most {most:,} distinct ones exist with "
+                         f"max_int={max_int}, max_den={max_den}, kinds={kinds}")
+    from data.loaders import machine_memory  # (lazy: loaders imports this module)
+
+    if n * PROBLEM_BYTES > machine_memory():
+        raise ValueError(f"tiny task: {n:,} problems take ~{n * PROBLEM_BYTES / 2**30:.0f} GB, more than this "
+                         f"machine's {machine_memory() / 2**30:.0f} GB")
     rng = random.Random(TEST_SEED if split == "test" else 10_000 + seed)
     held_out = set()
     if split == "train":
