@@ -158,6 +158,9 @@ def load_model(path: str, trust_remote_code: bool = False, dtype: torch.dtype = 
     they load with weights_only). `meta`: the model is built on the meta device, without memory or
     weights (fill_from_rank0 brings them)."""
     transformers.utils.logging.disable_progress_bar()  # one line per run, not a bar per file loaded or saved
+    for f in sorted(Path(path).iterdir()) if Path(path).is_dir() else []:  # a FIFO would block its reader forever
+        if not (f.is_file() or f.is_dir()):
+            raise ValueError(f"{f.name} is not a regular file (a pipe, device, socket or broken link)")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     kw = {"trust_remote_code": trust_remote_code, "dtype": dtype}

@@ -394,11 +394,13 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     device = torch.device(cfg.model.device if cfg.model.device != "auto" else local_gpu)
     try:
         model, policy, tokenizer, ref, compute = load_policy(cfg, path, device, world)
+    except Exception as e:  # noqa: BLE001 -- a missing, corrupt or foreign model folder is one line
+        what = "checkpoint" if ck else "model.path"
+        raise RunError(f"{what} {path}: {type(e).__name__}: {oneline(e)}") from None
+    try:
         stop = end_ids(tokenizer, model, cfg.data.chat_template, cfg.rollout.stop_tokens)
     except ValueError as e:
         raise RunError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 -- a missing, corrupt or foreign model folder is one line
-        raise RunError(f"{'checkpoint' if ck else 'model.path'} {path}: {type(e).__name__}: {oneline(e)}") from None
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     limit = cfg.data.max_prompt_tokens or context - cfg.rollout.max_new_tokens
     try:

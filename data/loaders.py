@@ -265,8 +265,8 @@ def json_line(line: bytes, path, lineno: int) -> dict | None:
         row = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:  # the C decoder checks its depth: nothing is half-built when this arrives
-        raise ValueError(f"{path}:{lineno}: JSON nested deeper than Python parses") from None
+    except RecursionError as e:  # the C decoder checks its depth: nothing is half-built when this arrives
+        raise ValueError(f"{path}:{lineno}: JSON nested deeper than Python parses") from e
     except ValueError as e:  # an integer of more than 4300 digits
         raise ValueError(f"{path}:{lineno}: {e}") from None
     if not isinstance(row, dict):
