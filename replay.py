@@ -32,12 +32,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from data.loaders import read_jsonl
+from data.loaders import PARSED_BYTES, json_line, jsonl_rows, machine_memory, open_regular
 from grpo import all_ranks as grpo_all_ranks
 from rollout import Rollouts, pack
 
@@ -434,27 +435,12 @@ class RlepReplay(Replay):
         if not self.cfg.rlep_source:
             return 0
         path, ids, owner = self.cfg.rlep_source, [], []
-        by_problem = {p.problem: i for i, p in enumerate(problems)}
-        for n, r in enumerate(read_jsonl(path), 1):
-            i, done = r.get("prompt_idx", by_problem.get(r.get("problem"))), r.get("completion_ids")
-            if done is None and isinstance(r.get("completion"), str):
-                done = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
-                done.append(tokenizer.eos_token_id)
-            known = isinstance(i, int) and 0 <= i < len(prompts)
-            if not known or not isinstance(done, list) or not done:
-                raise ValueError(f"{path}: row {n} needs a known problem (or prompt_idx) and a completion")
-            if len(done) > cfg.rollout.max_new_tokens:
-                limit = cfg.rollout.max_new_tokens
-                raise ValueError(f"{path}: row {n} holds {len(done)} completion tokens, over "
-                                 f"rollout.max_new_tokens ({limit}): it would be cut")
+        for i, done, _ in read_rlep_source(path, problems, tokenizer, cfg.rollout.max_new_tokens):
             ids.append(done)
             owner.append(i)
-        if not ids:
-            raise ValueError(f"replay.rlep_source {path} holds no solutions")
         self.store = PhaseOne(ids, owner, len(prompts), file_sha256(path))
         self.prompts, self.reward = prompts, cfg.reward.correct
-        meta = Path(path + ".meta.json")
-        return int(json.loads(meta.read_text()).get("generated_tokens", 0)) if meta.is_file() else 0
+        return rlep_generated_tokens(path)
 
     def push(self, batch, step, entropy):
         if not self.cfg.rlep_source:  # online RLEP: the store grows from this run's own verified successes
@@ -503,6 +489,65 @@ class RlepReplay(Replay):
         if d["source_sha256"] != sha:
             raise ValueError(f"replay.rlep_source {self.cfg.rlep_source} is not the file this run "
                              "started from (its sha256 differs)")
+
+
+def read_rlep_source(path: str, problems: list, tokenizer, max_new_tokens: int) -> list[tuple]:
+    """RLEP phase I's solutions in `path` as (prompt index, completion ids cut to max_new_tokens, behaviour
+    log-probs, zeros when the row has none), every field checked: ValueError naming file, line and field.
+    Rows as eval.py --save-correct writes them ({"problem": text or "prompt_idx": i, "completion_ids": [...],
+    "behav_logp": [...]}); a text-only row ({"completion": text}) is tokenized, the end token appended."""
+    by_problem, vocab, rows = {p.problem: i for i, p in enumerate(problems)}, len(tokenizer), []
+    size = os.stat(path).st_size if os.path.exists(path) else 0
+    if size * PARSED_BYTES > machine_memory():
+        raise ValueError(f"{path} is {size / 2**30:.1f} GB, more than this machine's memory holds parsed")
+    for n, r in jsonl_rows(path):
+        where = f"{path}:{n}"
+        i = r.get("prompt_idx")
+        if i is None and not isinstance(r.get("problem"), str):
+            raise ValueError(f"{where}: problem must be the problem's text (or prompt_idx its index)")
+        i = by_problem.get(r["problem"]) if i is None else i
+        if i is None:
+            raise ValueError(f"{where}: problem is not among the training problems (data.train)")
+        if type(i) is not int or not 0 <= i < len(problems):
+            raise ValueError(f"{where}: prompt_idx must be an integer in [0, {len(problems)}), got {_short(i)}")
+        ids = r.get("completion_ids")
+        if ids is None and isinstance(r.get("completion"), str) and r["completion"]:
+            ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+            raise ValueError(f"{where}: completion_ids must be a non-empty list of token ids in [0, {vocab}) "
+                             f"(or completion a text), got {_short(ids)}")
+        lp = r.get("behav_logp", [])
+        if not isinstance(lp, list) or not all(_log_prob(x) for x in lp):
+            raise ValueError(f"{where}: behav_logp must be a list of log-probabilities (numbers ≤ 0), "
+                             f"got {_short(lp)}")
+        if len(ids) > max_new_tokens:  # cut, it would no longer be the verified solution
+            raise ValueError(f"{where}: completion_ids holds {len(ids)} tokens, over "
+                             f"rollout.max_new_tokens ({max_new_tokens}): it would be cut")
+        rows.append((i, ids, lp[: len(ids)] if len(lp) >= len(ids) else [0.0] * len(ids)))
+    if not rows:
+        raise ValueError(f"replay.rlep_source {path} holds no solutions")
+    return rows
+
+
+def rlep_generated_tokens(path: str) -> int:
+    """The tokens phase I generated, from `<path>.meta.json` (0 without one); ValueError naming the file."""
+    meta = Path(path + ".meta.json")
+    if not meta.exists():
+        return 0
+    with open_regular(meta, 1 << 20) as f:
+        d = json_line(f.read(), meta, 1) or {}
+    n = d.get("generated_tokens", 0)
+    if type(n) is not int or n < 0:
+        raise ValueError(f"{meta}: generated_tokens must be an integer ≥ 0, got {_short(n)}")
+    return n
+
+
+def _log_prob(x) -> bool:
+    return type(x) in (int, float) and -math.inf < x <= 0
+
+
+def _short(value) -> str:
+    return json.dumps(value)[:40]
 
 
 class ExgrpoReplay(Replay):

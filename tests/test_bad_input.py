@@ -371,3 +371,75 @@ def test_bad_input_compare_run_folders(tmp_path, capsys, name, content, words):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="nested|expected|must be|without|not a|aliases|device"):
         compare.main([str(run), "--out-dir", str(tmp_path / "out"), "--debug"])
+
+
+# ------------------------------------------------------------------------------- malformed RLEP sources
+
+GOOD_ROW = {"prompt_idx": 0, "completion_ids": [5, 6, 7], "behav_logp": [-0.5, -0.25, -1.0]}
+RLEP = [  # (the second line of the source, or a .meta.json, what the line must say)
+    ("[1, 2]", None, ":2: expected a JSON object, got list"),
+    ('"a solution"', None, ":2: expected a JSON object, got str"),
+    ("42", None, ":2: expected a JSON object, got int"),
+    ({"prompt_idx": 0, "completion_ids": [[5, 6], [7]]}, None, ":2: completion_ids must be a non-empty list"),
+    ({"prompt_idx": 0, "completion_ids": ["5", "6"]}, None, ":2: completion_ids must be a non-empty list"),
+    ({"prompt_idx": 0, "completion_ids": [10**12]}, None, ":2: completion_ids must be a non-empty list of token ids"),
+    ({"prompt_idx": 0, "completion_ids": []}, None, ":2: completion_ids must be a non-empty list"),
+    ({"prompt_idx": 10**9, "completion_ids": [5]}, None, ":2: prompt_idx must be an integer in [0, 2000), got 1000000000"),
+    ({"prompt_idx": -1, "completion_ids": [5]}, None, ":2: prompt_idx must be an integer in [0, 2000), got -1"),
+    ({"prompt_idx": True, "completion_ids": [5]}, None, ":2: prompt_idx must be an integer in [0, 2000), got true"),
+    ({"prompt_idx": "0", "completion_ids": [5]}, None, ':2: prompt_idx must be an integer in [0, 2000), got "0"'),
+    ({"problem": {"text": "1+1"}, "completion_ids": [5]}, None, ":2: problem must be the problem's text"),
+    ({"problem": "not a training problem", "completion_ids": [5]}, None, ":2: problem is not among the training"),
+    ({"prompt_idx": 0, "completion": 7}, None, ":2: completion_ids must be a non-empty list"),
+    ({"prompt_idx": 0, "completion_ids": [5], "behav_logp": "low"}, None, ":2: behav_logp must be a list"),
+    ({"prompt_idx": 0, "completion_ids": [5], "behav_logp": [[-0.1]]}, None, ":2: behav_logp must be a list"),
+    ({"prompt_idx": 0, "completion_ids": [5], "behav_logp": [3.0]}, None, ":2: behav_logp must be a list"),
+    ("[" * 100_000 + "]" * 100_000, None, ":2: JSON nested deeper than Python parses"),
+    (GOOD_ROW, "[1, 2]", ".meta.json:1: expected a JSON object, got list"),
+    (GOOD_ROW, '"many"', ".meta.json:1: expected a JSON object, got str"),
+    (GOOD_ROW, '{"generated_tokens": -5}', ".meta.json: generated_tokens must be an integer ≥ 0, got -5"),
+    (GOOD_ROW, '{"generated_tokens": "lots"}', '.meta.json: generated_tokens must be an integer ≥ 0, got "lots"'),
+    (GOOD_ROW, '{"generated_tokens": 1e400}', ".meta.json: generated_tokens must be an integer ≥ 0, got Infinity"),
+    (GOOD_ROW, "FIFO", ".meta.json is a pipe, device or socket, not a regular file"),
+    ("FIFO", None, "phase1.jsonl is a pipe, device or socket, not a regular file"),
+]
+
+
+def rlep_source(tmp_path: Path, second, meta) -> Path:
+    f = tmp_path / "phase1.jsonl"
+    if second == "FIFO":
+        os.mkfifo(f)
+        return f
+    line = second if isinstance(second, str) else json.dumps(second)
+    f.write_text(json.dumps(GOOD_ROW) + "\n" + line + "\n")
+    if meta == "FIFO":
+        os.mkfifo(tmp_path / "phase1.jsonl.meta.json")
+    elif meta is not None:
+        (tmp_path / "phase1.jsonl.meta.json").write_text(meta)
+    return f
+
+
+@needs_model
+@pytest.mark.parametrize("second, meta, words", RLEP, ids=[f"{i}-{str(r[0])[:20]}-{r[1]}" for i, r in enumerate(RLEP)])
+def test_bad_input_rlep_source(tmp_path, capsys, second, meta, words):
+    f = rlep_source(tmp_path, second, meta)
+    line = refused(tmp_path, capsys, "--replay.strategy=rlep", f"--replay.rlep_source={f}")
+    assert line.startswith(f"error: replay: {f}") and words in line
+
+
+@needs_model
+def test_bad_input_rlep_source_end_to_end_and_debug(tmp_path):
+    f = rlep_source(tmp_path, {"prompt_idx": 0, "completion_ids": [[5, 6]]}, None)
+    out = tmp_path / "run"
+    args = [*BASE, "--replay.strategy=rlep", f"--replay.rlep_source={f}", f"--out_dir={out}"]
+    r = run_script(tmp_path, "train.py", *args)
+    assert_one_line(r, f"{f}:2: completion_ids must be a non-empty list of token ids")
+    assert not out.exists()
+    text = debug_chain(args)
+    assert "read_rlep_source" in text and "train.RunError: replay: " in text
+    f.unlink()
+    f = rlep_source(tmp_path, GOOD_ROW, '{"generated_tokens": 123}')  # a good source still loads
+    args = [*BASE, "--replay.strategy=rlep", f"--replay.rlep_source={f}", "--max_steps=0"]
+    assert train.main([*args, f"--out_dir={tmp_path / 'good'}"]) == 0
+    summary = json.loads((tmp_path / "good" / "summary.json").read_text())
+    assert summary["tokens_generated_total"] == 123  # phase I's tokens, read from the .meta.json
