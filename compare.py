@@ -59,16 +59,18 @@ def load_run(path: str | Path) -> dict:
 
 
 NUMBER = (int, float)
-SUMMARY = {"strategy": str, "seed": int, "eval_accuracy_initial": NUMBER, "eval_response_len_final": NUMBER,
-           "tokens_generated_total": NUMBER, "eval_entropy_final": NUMBER}  # what load_run reads; null allowed
-ROW = {"step": int, "generated_tokens": NUMBER, "tokens/generated_total": NUMBER, "eval/accuracy": NUMBER,
-       "eval/accuracy_se": NUMBER, "eval/response_len": NUMBER, "eval/entropy": NUMBER}
+SUMMARY = {"strategy": str, "seed": int, "eval_accuracy_initial": NUMBER,
+           "eval_response_len_final": NUMBER, "tokens_generated_total": NUMBER,
+           "eval_entropy_final": NUMBER}  # the fields load_run reads; null allowed
+ROW = {"step": int, "generated_tokens": NUMBER, "tokens/generated_total": NUMBER,
+       "eval/accuracy": NUMBER, "eval/accuracy_se": NUMBER, "eval/response_len": NUMBER,
+       "eval/entropy": NUMBER}
 
 
 def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
-    """(summary.json, config.yaml, metrics.jsonl rows) of a run folder: one of summary and metrics at
-    least. Only regular files are read, under size and depth bounds, and every field load_run uses is
-    checked: ValueError naming the file (and line) otherwise."""
+    """(summary.json, config.yaml, metrics.jsonl rows) of a run folder: one of summary and metrics
+    at least. Only regular files are read, under size and depth bounds, and every field load_run
+    uses is checked: ValueError naming the file (and line) otherwise."""
     files = {name: path / name for name in ("summary.json", "config.yaml", "metrics.jsonl")}
     if not files["metrics.jsonl"].exists() and not files["summary.json"].exists():
         raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
@@ -79,21 +81,24 @@ def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
         check_fields(summary, SUMMARY, str(files["summary.json"]))
     if files["config.yaml"].exists():
         config = read_yaml_file(files["config.yaml"]) or {}
-        sections = isinstance(config, dict) and all(isinstance(config.get(k, {}), dict) for k in ("replay", "rollout"))
+        sections = isinstance(config, dict) and all(
+            isinstance(config.get(k, {}), dict) for k in ("replay", "rollout"))
         if not sections:
-            raise ValueError(f"{files['config.yaml']}: not a run's config (a mapping with replay and rollout sections)")
+            raise ValueError(f"{files['config.yaml']}: not a run's config (a mapping with replay "
+                             "and rollout sections)")
     if files["metrics.jsonl"].exists():
         numbered = jsonl_rows(files["metrics.jsonl"])
     for lineno, row in numbered:
         check_fields(row, ROW, f"{files['metrics.jsonl']}:{lineno}")
         if row.get("step") is None or row.get("generated_tokens") is None:
-            raise ValueError(f"{files['metrics.jsonl']}:{lineno}: a row without step or generated_tokens")
+            where = f"{files['metrics.jsonl']}:{lineno}"
+            raise ValueError(f"{where}: a row without step or generated_tokens")
     return summary, config, [row for _, row in numbered]
 
 
 def check_fields(row: dict, schema: dict, where: str) -> None:
-    """ValueError naming `where` and the field, for a field of `schema` in `row` of another type (null
-    is allowed; a bool is not a number)."""
+    """ValueError naming `where` and the field, for a field of `schema` in `row` of another type
+    (null is allowed; a bool is not a number)."""
     for key, types in schema.items():
         value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):

@@ -32,7 +32,15 @@ import rewards
 import vllm_engine
 from config import MAX_EVAL_SAMPLES, MAX_STEP_TOKENS
 from data.loaders import NAMED, Problem, load_problems
-from rollout import ChatTemplateError, RolloutConfig, end_ids, generate, load_model, prompt_ids, template_warnings
+from rollout import (
+    ChatTemplateError,
+    RolloutConfig,
+    end_ids,
+    generate,
+    load_model,
+    prompt_ids,
+    template_warnings,
+)
 
 DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -128,7 +136,8 @@ def results_table(results: dict[str, dict], k: int) -> str:
 
 
 class BadInput(Exception):
-    """Bad input: main prints it on one line and exits 2 (with --debug, the traceback of what caused it)."""
+    """Bad input: main prints it on one line and exits 2 (with --debug, the traceback of what caused
+    it)."""
 
 
 def fail(msg: str) -> None:
@@ -142,7 +151,9 @@ def default_out_dir(model: str) -> Path:
     return run / "eval" / "_".join(path.relative_to(run).parts) if run else Path("eval_results") / path.name
 
 
-def run_eval(args) -> None:
+def check_args(args) -> Path:
+    """Refuse bad arguments and outputs that exist (or are not regular files) before anything loads;
+    returns the output folder."""
     for ok, msg in [(args.k >= 1, f"--k must be ≥ 1, got {args.k}"),
                     (args.limit is None or args.limit >= 1, "--limit must be ≥ 1"),
                     (args.max_new_tokens >= 1, f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}"),
@@ -158,13 +169,19 @@ def run_eval(args) -> None:
         if f.is_file():
             fail(f"{f} exists; pass --overwrite to replace it or --out-dir to write elsewhere")
     for f in (out / "results.json", Path(args.save_correct or "")):
-        if f.name and f.exists() and not f.is_file():  # writing into a FIFO waits for a reader forever
+        if f.name and f.exists() and not f.is_file():  # writing into a FIFO waits forever
             fail(f"{f} exists and is not a regular file")
     if out.exists() and not out.is_dir():
         fail(f"--out-dir {out} is a file")
+    return out
+
+
+def load_benchmarks(args) -> dict[str, list[Problem]]:
+    """Every benchmark's problems (all data first: a typo fails before a slow model load),
+    within the sample and token budgets an eval can finish."""
     benchmarks = {}
     for spec in args.benchmarks.split(","):
-        try:  # all data first, so a typo fails before a slow model load
+        try:
             named = spec in NAMED or spec in ("tiny", "tiny_train") or spec.startswith("hf:")
             name = spec if named else Path(spec).stem
             benchmarks[name] = load_problems(spec, data_dir=args.data_dir, problem_key=args.problem_key,
@@ -173,9 +190,17 @@ def run_eval(args) -> None:
             fail(str(e))
     samples = args.k * sum(map(len, benchmarks.values()))
     if samples > MAX_EVAL_SAMPLES or samples * args.max_new_tokens > MAX_STEP_TOKENS:
-        fail(f"--k {args.k} × {samples // args.k:,} problems × --max-new-tokens {args.max_new_tokens} = "
-             f"{samples:,} samples and {samples * args.max_new_tokens:,} tokens, over {MAX_EVAL_SAMPLES:,} samples "
-             f"(their records alone take GBs) or {MAX_STEP_TOKENS:,} tokens (no eval finishes); lower --k or --limit")
+        tokens = samples * args.max_new_tokens
+        fail(f"--k {args.k} × {samples // args.k:,} problems × --max-new-tokens "
+             f"{args.max_new_tokens} = {samples:,} samples and {tokens:,} tokens, over "
+             f"{MAX_EVAL_SAMPLES:,} samples (their records alone take GBs) or {MAX_STEP_TOKENS:,} "
+             "tokens (no eval finishes); lower --k or --limit")
+    return benchmarks
+
+
+def run_eval(args) -> None:
+    out = check_args(args)
+    benchmarks = load_benchmarks(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -189,7 +214,8 @@ def run_eval(args) -> None:
     results, records, prompts = {}, {}, {}
     said = template_warnings(tokenizer, args.system_prompt) if args.chat_template else []
     for what in said:
-        print(f"eval.py: warning: {args.model}: its chat template {what}: the model never sees it", file=sys.stderr)
+        print(f"eval.py: warning: {args.model}: its chat template {what}: the model never sees it",
+              file=sys.stderr)
     for name, problems in benchmarks.items():
         prompts[name] = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template,
                                     args.system_prompt) for p in problems]
@@ -290,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         run_eval(args)
     except ChatTemplateError as e:
         fix = "--system-prompt '' or --no-chat-template" if e.system else "--no-chat-template"
-        error_exit(BadInput(f"model {args.model}: its chat template {e.said}; pass {fix}"), args.debug)
+        bad = BadInput(f"model {args.model}: its chat template {e.said}; pass {fix}")
+        error_exit(bad, args.debug)
     except BadInput as e:
         error_exit(e, args.debug)
 

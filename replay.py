@@ -492,34 +492,38 @@ class RlepReplay(Replay):
 
 
 def read_rlep_source(path: str, problems: list, tokenizer, max_new_tokens: int) -> list[tuple]:
-    """RLEP phase I's solutions in `path` as (prompt index, completion ids cut to max_new_tokens, behaviour
-    log-probs, zeros when the row has none), every field checked: ValueError naming file, line and field.
-    Rows as eval.py --save-correct writes them ({"problem": text or "prompt_idx": i, "completion_ids": [...],
-    "behav_logp": [...]}); a text-only row ({"completion": text}) is tokenized, the end token appended."""
+    """RLEP phase I's solutions in `path` as (prompt index, completion ids cut to max_new_tokens,
+    behaviour log-probs, zeros when the row has none), every field checked: ValueError naming file,
+    line and field. Rows as eval.py --save-correct writes them ({"problem": text or "prompt_idx": i,
+    "completion_ids": [...], "behav_logp": [...]}); a text-only row ({"completion": text}) is
+    tokenized, the end token appended."""
     by_problem, vocab, rows = {p.problem: i for i, p in enumerate(problems)}, len(tokenizer), []
     size = os.stat(path).st_size if os.path.exists(path) else 0
     if size * PARSED_BYTES > machine_memory():
-        raise ValueError(f"{path} is {size / 2**30:.1f} GB, more than this machine's memory holds parsed")
+        raise ValueError(f"{path} is {size / 2**30:.1f} GB, more than this machine holds parsed")
     for n, r in jsonl_rows(path):
         where = f"{path}:{n}"
         i = r.get("prompt_idx")
         if i is None and not isinstance(r.get("problem"), str):
-            raise ValueError(f"{where}: problem must be the problem's text (or prompt_idx its index)")
+            raise ValueError(f"{where}: problem must be its text (or prompt_idx its index)")
         i = by_problem.get(r["problem"]) if i is None else i
         if i is None:
             raise ValueError(f"{where}: problem is not among the training problems (data.train)")
         if type(i) is not int or not 0 <= i < len(problems):
-            raise ValueError(f"{where}: prompt_idx must be an integer in [0, {len(problems)}), got {_short(i)}")
+            raise ValueError(f"{where}: prompt_idx must be an integer in [0, {len(problems)}), "
+                             f"got {_short(i)}")
         ids = r.get("completion_ids")
         if ids is None and isinstance(r.get("completion"), str) and r["completion"]:
-            ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
-            raise ValueError(f"{where}: completion_ids must be a non-empty list of token ids in [0, {vocab}) "
-                             f"(or completion a text), got {_short(ids)}")
+            ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
+            ids.append(tokenizer.eos_token_id)
+        known = isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)
+        if not ids or not known:
+            raise ValueError(f"{where}: completion_ids must be a non-empty list of token ids in "
+                             f"[0, {vocab}) (or completion a text), got {_short(ids)}")
         lp = r.get("behav_logp", [])
         if not isinstance(lp, list) or not all(_log_prob(x) for x in lp):
-            raise ValueError(f"{where}: behav_logp must be a list of log-probabilities (numbers ≤ 0), "
-                             f"got {_short(lp)}")
+            raise ValueError(f"{where}: behav_logp must be a list of log-probabilities (numbers "
+                             f"≤ 0), got {_short(lp)}")
         if len(ids) > max_new_tokens:  # cut, it would no longer be the verified solution
             raise ValueError(f"{where}: completion_ids holds {len(ids)} tokens, over "
                              f"rollout.max_new_tokens ({max_new_tokens}): it would be cut")
@@ -530,7 +534,8 @@ def read_rlep_source(path: str, problems: list, tokenizer, max_new_tokens: int) 
 
 
 def rlep_generated_tokens(path: str) -> int:
-    """The tokens phase I generated, from `<path>.meta.json` (0 without one); ValueError naming the file."""
+    """The tokens phase I generated, from `<path>.meta.json` (0 without one); ValueError naming the
+    file."""
     meta = Path(path + ".meta.json")
     if not meta.exists():
         return 0
@@ -688,8 +693,8 @@ def row_bytes(max_len: int) -> int:
 
 
 def buffer_bytes(cfg: ReplayConfig, max_len: int) -> int:
-    """Bytes the buffer preallocates for rows of up to `max_len` tokens (0 for none, which stores nothing): a
-    Rollouts row per slot, and its `valid`, `used` and `score`."""
+    """Bytes the buffer preallocates for rows of up to `max_len` tokens (0 for none, which stores
+    nothing): a Rollouts row per slot, and its `valid`, `used` and `score`."""
     if STRATEGIES.get(cfg.strategy, Replay) is Replay:
         return 0
     return cfg.capacity * (row_bytes(max_len) + 1 + 4 + 4)

@@ -66,11 +66,12 @@ class RewardConfig:
 
     def check(self) -> dict[str, tuple[bool, str]]:
         """{field: (ok, what it must be)} for every field whose value could be nonsense; never raises."""
-        num = {k: _as_float(v) for k, v in vars(self).items()}  # nan: every comparison with it is False
+        num = {k: _as_float(v) for k, v in vars(self).items()}  # nan: every comparison is False
         rules = {k: (0 < num[k] < math.inf, "> 0 and finite") for k in ("timeout", "batch_budget")}
         rules |= {k: (isinstance(getattr(self, k), int) and num[k] >= n, f"an integer ≥ {n}")
                   for k, n in (("workers", 1), ("overlong_buffer", 0))}
-        rules["workers"] = (rules["workers"][0] and num["workers"] <= 256, "an integer in [1, 256] (each a process)")
+        few = rules["workers"][0] and num["workers"] <= 256
+        rules["workers"] = (few, "an integer in [1, 256] (each a process)")
         rules |= {k: (0 <= num[k] < math.inf, "≥ 0 and finite") for k in ("rel_tol", "overlong_factor")}
         rules |= {k: (math.isfinite(num[k]), "finite") for k in ("correct", "wrong", "no_answer", "format_bonus")}
         return {k: (bool(ok), rule) for k, (ok, rule) in rules.items()}

@@ -158,9 +158,10 @@ def load_model(path: str, trust_remote_code: bool = False, dtype: torch.dtype = 
     they load with weights_only). `meta`: the model is built on the meta device, without memory or
     weights (fill_from_rank0 brings them)."""
     transformers.utils.logging.disable_progress_bar()  # one line per run, not a bar per file loaded or saved
-    for f in sorted(Path(path).iterdir()) if Path(path).is_dir() else []:  # a FIFO would block its reader forever
+    folder = sorted(Path(path).iterdir()) if Path(path).is_dir() else []
+    for f in folder:  # a FIFO would block its reader forever
         if not (f.is_file() or f.is_dir()):
-            raise ValueError(f"{f.name} is not a regular file (a pipe, device, socket or broken link)")
+            raise ValueError(f"{f.name} is not a regular file (a pipe, device, broken link)")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     kw = {"trust_remote_code": trust_remote_code, "dtype": dtype}
@@ -368,8 +369,9 @@ def _restore_reshard_setting(module, setting: tuple) -> None:
 
 
 class ChatTemplateError(ValueError):
-    """The tokenizer's chat template failed on a prompt: `said` is what it said (or why it failed), `system` whether
-    the conversation had a system turn. train.py and eval.py name the model and the setting to change."""
+    """The tokenizer's chat template failed on a prompt: `said` is what it said (or why it failed),
+    `system` whether the conversation had a system turn. train.py and eval.py name the model and the
+    setting to change."""
 
     def __init__(self, said: str, system: bool):
         super().__init__(said)
@@ -380,7 +382,7 @@ def render_chat(tokenizer, turns: list[dict]) -> str:
     """The chat template applied to `turns` (a generation prompt added), or ChatTemplateError."""
     try:
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 -- raise_exception(), a syntax error, or whatever a template's code raises
+    except Exception as e:  # raise_exception(), a syntax error, whatever the template's code raises
         words = " ".join(str(e).split())[:200]
         if isinstance(e, jinja2.TemplateSyntaxError):
             said = f"does not parse ({words}, line {e.lineno})"
@@ -393,8 +395,9 @@ def render_chat(tokenizer, turns: list[dict]) -> str:
 
 
 def template_warnings(tokenizer, system_prompt: str) -> list[str]:
-    """What the chat template silently leaves out of a probe conversation (the system turn, the user's text): the
-    model would never see it. ChatTemplateError if the template fails on the probe."""
+    """What the chat template silently leaves out of a probe conversation (the system turn, the
+    user's text): the model would never see it. ChatTemplateError if the template fails on the
+    probe."""
     if not tokenizer.chat_template:
         return []
     user = "What is 12+30? (a probe of the chat template)"

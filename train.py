@@ -45,14 +45,34 @@ from tqdm import tqdm
 import grpo
 import lora
 import vllm_engine
-from config import Config, ConfigError, budget, check_rules, flat_dict, load_config, save_config, validate
+from config import (
+    Config,
+    ConfigError,
+    budget,
+    check_rules,
+    flat_dict,
+    load_config,
+    save_config,
+    validate,
+)
 from data.loaders import load_task, prompt_order
 from eval import evaluate, summarize
 from grpo import all_ranks, timed
 from replay import make_replay
 from rewards import overlong_penalty, score_batch
-from rollout import (ChatTemplateError, Rollouts, build_prompts, end_ids, fsync, full_weights, generate, load_policy, pack,
-                     save_model, template_warnings)
+from rollout import (
+    ChatTemplateError,
+    Rollouts,
+    build_prompts,
+    end_ids,
+    fsync,
+    full_weights,
+    generate,
+    load_policy,
+    pack,
+    save_model,
+    template_warnings,
+)
 
 RUN_FILES = {".run", ".lock", ".overwritten", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final",
              "wandb", "eval"}  # what runs write in out_dir: all --overwrite may set aside
@@ -83,7 +103,7 @@ def main(argv: list[str]) -> int:
         return train(cfg, resume=flags.get("--resume"), overwrite="--overwrite" in flags)
     except (ConfigError, RunError) as e:  # bad input; any other exception is a bug and keeps its traceback
         if "--debug" in flags:
-            e.__suppress_context__ = False  # the exception it replaced, traceback and all, is shown too
+            e.__suppress_context__ = False  # the exception it replaced is shown too
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -100,6 +120,9 @@ def check_out_dir(out: Path, resume: str | None, overwrite: bool) -> None:
     if names and (not (out / ".run").is_file() or names - RUN_FILES):
         strange = ", ".join(sorted(names - RUN_FILES)[:3]) or "no .run marker"
         raise RunError(f"out_dir {out} holds files no run wrote ({strange}); choose another out_dir")
+    log = out / "metrics.jsonl"
+    if resume is not None and log.exists() and not log.is_file():  # --resume reads it back
+        raise RunError(f"{log} is not a regular file")
     if names and resume is None and not overwrite:
         raise RunError(f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over")
     if overwrite and (out / ".overwritten").exists():
@@ -217,6 +240,9 @@ def read_state(ck: Path, rank: int) -> dict:
     from safetensors import safe_open
 
     try:
+        for f in ck.iterdir():  # a FIFO among them would block torch.load or safe_open forever
+            if not (f.is_file() or f.is_dir()):
+                raise ValueError(f"{f.name} is not a regular file")
         state = trainer_state(ck / "state_rank0.pt")
         if 0 < rank < state["world"]:
             state = trainer_state(ck / f"state_rank{rank}.pt")
@@ -403,15 +429,8 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
         raise RunError(str(e)) from None
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     limit = cfg.data.max_prompt_tokens or context - cfg.rollout.max_new_tokens
-    try:
-        (prompts, problems, dropped), (eval_prompts, eval_problems, eval_dropped) = (
-            build_prompts(tokenizer, ps, cfg.data, limit) for ps in (problems, eval_problems))
-        system = cfg.data.system_prompt or next((p.system for p in problems if p.system), "")
-        said = template_warnings(tokenizer, system) if cfg.data.chat_template else []
-    except ChatTemplateError as e:
-        raise RunError(f"model.path {path}: its chat template {e.said}; {template_advice(e, cfg)}") from e
-    for what in said if rank == 0 else []:
-        print(f"warning: model.path {path}: its chat template {what}: the model never sees it", file=sys.stderr)
+    (prompts, problems, dropped), (eval_prompts, eval_problems, eval_dropped) = chat_prompts(
+        cfg, tokenizer, path, rank, (problems, eval_problems), limit)
     if not prompts or not eval_prompts:
         what = "eval" if prompts else "training"
         raise RunError(f"every {what} prompt is over {limit} tokens (data.max_prompt_tokens, rollout.max_new_tokens "
@@ -423,7 +442,7 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     optimizer = torch.optim.AdamW(trained, lr=cfg.optim.lr, betas=betas,
                                   weight_decay=cfg.optim.weight_decay)
     max_len = max(map(len, prompts)) + cfg.rollout.max_new_tokens
-    check_rules(cfg, budget(cfg, len(eval_prompts), max_len))  # with the real prompts, before the buffer exists
+    check_rules(cfg, budget(cfg, len(eval_prompts), max_len))  # the real prompts, before any buffer
     replay = make_replay(cfg.replay, max_len, tokenizer.pad_token_id, cfg.seed + rank)
     r = Run(cfg, out, rank, world, device, model, policy, tokenizer, ref, compute, optimizer, replay, prompts,
             [p.answer for p in problems], eval_prompts, [p.answer for p in eval_problems], stop,
@@ -474,10 +493,26 @@ def sync_engine(r: Run, t: dict) -> None:
             r.synced_at = r.optimizer_steps
 
 
+def chat_prompts(cfg: Config, tokenizer, path: str, rank: int, sets: tuple, limit: int) -> list:
+    """build_prompts of each problem set: a chat template that fails is one line naming the model
+    and the key to change, one that leaves out the system turn (or the problem) a warning."""
+    try:
+        built = [build_prompts(tokenizer, problems, cfg.data, limit) for problems in sets]
+        system = cfg.data.system_prompt or next((p.system for p in sets[0] if p.system), "")
+        said = template_warnings(tokenizer, system) if cfg.data.chat_template else []
+    except ChatTemplateError as e:
+        advice = template_advice(e, cfg)
+        raise RunError(f"model.path {path}: its chat template {e.said}; {advice}") from e
+    for what in said if rank == 0 else []:
+        print(f"warning: model.path {path}: its chat template {what}: the model never sees it",
+              file=sys.stderr)
+    return built
+
+
 def template_advice(e: ChatTemplateError, cfg: Config) -> str:
     """Which setting avoids a chat template's failure."""
     if e.system and cfg.data.system_prompt:
-        return "set data.system_prompt= (no system turn) or data.chat_template=false (plain prompts)"
+        return "set data.system_prompt= (none) or data.chat_template=false (plain prompts)"
     if e.system:
         return "the data's rows carry a system turn: set data.chat_template=false (plain prompts)"
     return "set data.chat_template=false (plain prompts) or fix the template in the model folder"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-MAX_LINE = 64 << 20  # bytes of one JSONL row; real rows (long proofs, chat transcripts) stay under 1 MB
-PARSED_BYTES = 8  # peak memory per byte of a data file, rows as dicts then Problems (measured: 8.3 on tiny rows)
+MAX_LINE = 64 << 20  # bytes of one JSONL row; real ones (long proofs, chat transcripts) are < 1 MB
+PARSED_BYTES = 8  # peak memory per byte of a data file, as dicts then Problems (measured: 8.3)
 
 
 @dataclass
@@ -114,8 +114,8 @@ def _read_rows(spec: str, data_dir: str | None, limit: int | None) -> tuple[str,
     with open_regular(path) as f:  # a FIFO or a device is refused before anything reads it
         size = os.fstat(f.fileno()).st_size
     if limit is None and size * PARSED_BYTES > machine_memory():
-        raise ValueError(f"{path} is {size / 2**30:.1f} GB; parsed, its rows take ~{PARSED_BYTES}× that, more than "
-                         f"this machine's {machine_memory() / 2**30:.0f} GB")
+        raise ValueError(f"{path} is {size / 2**30:.1f} GB; parsed, its rows take ~{PARSED_BYTES}× "
+                         f"that, more than this machine's {machine_memory() / 2**30:.0f} GB")
     rows = _read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path, limit)
     return source, rows[:limit], str(path)
 
@@ -131,9 +131,10 @@ def machine_memory() -> int:
 
 
 def open_regular(path: str | Path, max_bytes: int | None = None):
-    """`path` opened for binary reading if it is a regular file (or a link to one), else ValueError naming it. A FIFO
-    would block the open forever and /dev/zero never ends: both are refused before a byte is read (O_NONBLOCK keeps
-    the open itself from waiting). `max_bytes` refuses larger files."""
+    """`path` opened for binary reading if it is a regular file (or a link to one), else ValueError
+    naming it. A FIFO would block the open forever and /dev/zero never ends: both are refused before
+    a byte is read (O_NONBLOCK keeps the open itself from waiting). `max_bytes` refuses larger
+    files."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -147,8 +148,8 @@ def open_regular(path: str | Path, max_bytes: int | None = None):
         raise ValueError(f"{path} is {kind}, not a regular file")
     if max_bytes is not None and info.st_size > max_bytes:
         os.close(fd)
-        raise ValueError(f"{path} is {info.st_size / 2**20:.1f} MB, over the {max_bytes / 2**20:.0f} MB this "
-                         "file may hold")
+        raise ValueError(f"{path} is {info.st_size / 2**20:.1f} MB, over the "
+                         f"{max_bytes / 2**20:.0f} MB this file may hold")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
@@ -159,8 +160,9 @@ def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
 
 
 def jsonl_rows(path: str | Path, limit: int | None = None) -> list[tuple[int, dict]]:
-    """(line number, row) of each JSON object of a JSONL file, blank lines skipped, at most `limit` rows. Only a
-    regular file is read, each line at most MAX_LINE bytes; a bad line raises ValueError naming file and line."""
+    """(line number, row) of each JSON object of a JSONL file, blank lines skipped, at most `limit`
+    rows. Only a regular file is read, each line at most MAX_LINE bytes; a bad line raises
+    ValueError naming file and line."""
     rows = []
     with open_regular(path) as f:
         lineno = 0
@@ -169,7 +171,7 @@ def jsonl_rows(path: str | Path, limit: int | None = None) -> list[tuple[int, di
             if not line:
                 break
             if len(line) > MAX_LINE:
-                raise ValueError(f"{path}:{lineno}: a line over {MAX_LINE >> 20} MB, not a JSONL row")
+                raise ValueError(f"{path}:{lineno}: a line over {MAX_LINE >> 20} MB: not a row")
             row = json_line(line, path, lineno)
             if row is not None:
                 rows.append((lineno, row))
@@ -178,12 +180,12 @@ def jsonl_rows(path: str | Path, limit: int | None = None) -> list[tuple[int, di
 
 MAX_YAML_BYTES = 1 << 20  # a config is a few KB: this bounds what a bad or hostile file can cost
 MAX_YAML_DEPTH = 32  # nesting of a config (sections are one level, a list two)
-MAX_EXPANDED = 4_000_000  # nodes plus scalar characters once every alias is expanded (a real config: < 10,000)
+MAX_EXPANDED = 4_000_000  # nodes and scalar characters, aliases expanded (a real config: < 10^4)
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses nesting deeper than MAX_YAML_DEPTH while it composes (PyYAML composes by
-    recursion: a file nested thousands deep would end in RecursionError)."""
+    """yaml.SafeLoader that refuses nesting deeper than MAX_YAML_DEPTH while it composes (PyYAML
+    composes by recursion: a file nested thousands deep would end in RecursionError)."""
 
     depth = 0
 
@@ -265,12 +267,13 @@ def json_line(line: bytes, path, lineno: int) -> dict | None:
         row = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError as e:  # the C decoder checks its depth: nothing is half-built when this arrives
+    except RecursionError as e:  # the C decoder checks its depth: nothing is half-built by then
         raise ValueError(f"{path}:{lineno}: JSON nested deeper than Python parses") from e
     except ValueError as e:  # an integer of more than 4300 digits
         raise ValueError(f"{path}:{lineno}: {e}") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    if not isinstance(row, dict):  # ValueError, as every other bad line (callers catch that)
+        got = type(row).__name__
+        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {got}")  # noqa: TRY004
     return row
 
 

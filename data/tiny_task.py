@@ -78,12 +78,12 @@ def make_problem(rng: random.Random, kind: str, max_int: int, max_den: int) -> d
 
 
 KINDS = ("add", "mul", "frac", "lin")
-PROBLEM_BYTES = 800  # peak memory per generated problem, its prompt ids included (measured: 625 before tokenizing)
+PROBLEM_BYTES = 800  # peak memory per problem, prompt ids included (measured: 625 before them)
 
 
 def parse_kinds(kinds: str) -> tuple[list[str], list[float]]:
-    """`kind:weight` pairs as (names, weights); ValueError for an unknown kind or a weight that is not a finite
-    number ≥ 0, or when no weight is positive."""
+    """`kind:weight` pairs as (names, weights); ValueError for an unknown kind or a weight that is
+    not a finite number ≥ 0, or when no weight is positive."""
     names, weights = [], []
     for part in kinds.split(","):
         name, _, w = part.partition(":")
@@ -92,7 +92,7 @@ def parse_kinds(kinds: str) -> tuple[list[str], list[float]]:
         except ValueError:
             weight = math.nan
         if name.strip() not in KINDS or not 0 <= weight < math.inf:
-            raise ValueError(f"{part!r} is not kind:weight with a kind of {', '.join(KINDS)} and a weight ≥ 0")
+            raise ValueError(f"{part!r} is not kind:weight (a kind of {', '.join(KINDS)})")
         names.append(name.strip())
         weights.append(weight)
     if not sum(weights) > 0:
@@ -101,11 +101,12 @@ def parse_kinds(kinds: str) -> tuple[list[str], list[float]]:
 
 
 def distinct_problems(max_int: int, max_den: int, kinds: str) -> int:
-    """An upper bound on the distinct problems the task can make (kinds of weight 0 excluded): a split asks for at
-    most this many, or its search for new ones never ends."""
+    """An upper bound on the distinct problems the task can make (kinds of weight 0 excluded): a
+    split asks for at most this many, or its search for new ones never ends."""
     b = 2 * (max_int // 2) + 1  # the operands drawn from [-max_int // 2, max_int // 2]
-    count = {"add": 2 * (2 * max_int + 1) ** 2, "mul": 19 * b, "frac": 2 * (max_den * (max_den - 1)) ** 2,
-             "lin": 10 * 38 * b}  # lin: 10 coefficients, 38 values of x (halves included), b constants
+    count = {"add": 2 * (2 * max_int + 1) ** 2, "mul": 19 * b,
+             "frac": 2 * (max_den * (max_den - 1)) ** 2,
+             "lin": 10 * 38 * b}  # 10 coefficients, 38 values of x (halves included), b constants
     names, weights = parse_kinds(kinds)
     return sum(count[n] for n, w in zip(names, weights) if w > 0)
 
@@ -113,14 +114,15 @@ def distinct_problems(max_int: int, max_den: int, kinds: str) -> int:
 def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 20, max_den: int = 6, kinds: str = DEFAULT_KINDS) -> list[dict]:
     """`n` distinct problems. `split="test"` uses the fixed TEST_SEED; `"train"` uses `seed` and skips test problems."""
     names, weights = parse_kinds(kinds)
-    most = distinct_problems(max_int, max_den, kinds) - 500 * (split == "train")  # its search would never end
+    most = distinct_problems(max_int, max_den, kinds) - 500 * (split == "train")  # else: no end
     if n > most:
-        raise ValueError(f"tiny task: {n:,} {split} problems asked, at most {most:,} distinct ones exist with "
-                         f"max_int={max_int}, max_den={max_den}, kinds={kinds}")
+        raise ValueError(f"tiny task: {n:,} {split} problems asked, at most {most:,} distinct ones "
+                         f"exist with max_int={max_int}, max_den={max_den}, kinds={kinds}")
     from data.loaders import machine_memory  # (lazy: loaders imports this module)
 
     if n * PROBLEM_BYTES > machine_memory():
-        raise ValueError(f"tiny task: {n:,} problems take ~{n * PROBLEM_BYTES / 2**30:.0f} GB, more than this "
+        gb = n * PROBLEM_BYTES / 2**30
+        raise ValueError(f"tiny task: {n:,} problems take ~{gb:.0f} GB, more than this "
                          f"machine's {machine_memory() / 2**30:.0f} GB")
     rng = random.Random(TEST_SEED if split == "test" else 10_000 + seed)
     held_out = set()
