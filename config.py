@@ -400,7 +400,8 @@ def budget(cfg: Config, eval_problems: int, max_len: int) -> list[tuple[str, boo
     of one step (all its dynamic-sampling rounds), of one eval and of the whole run against what
     ever finishes. train.py checks them again once the data is loaded (`eval_problems` held-out
     problems, rows of up to `max_len` tokens)."""
-    r, e, local = cfg.rollout, cfg.eval, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    r, e, local = cfg.rollout, cfg.eval, os.environ.get("LOCAL_WORLD_SIZE", "1")
+    local = max(1, int(local)) if local.isdigit() else 1  # processes on this machine (torchrun)
     memory = machine_memory() // local
     mine = f"this machine's memory for each of its {local} processes"
     row = ("bytes a row", row_bytes(max_len), "rollout.max_new_tokens", row_bytes(49))

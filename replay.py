@@ -497,7 +497,8 @@ def read_rlep_source(path: str, problems: list, tokenizer, max_new_tokens: int) 
     line and field. Rows as eval.py --save-correct writes them ({"problem": text or "prompt_idx": i,
     "completion_ids": [...], "behav_logp": [...]}); a text-only row ({"completion": text}) is
     tokenized, the end token appended."""
-    by_problem, vocab, rows = {p.problem: i for i, p in enumerate(problems)}, len(tokenizer), []
+    by_problem, rows = {p.problem: i for i, p in enumerate(problems)}, []
+    vocab = len(tokenizer) if tokenizer is not None else 2**63  # (None: every row carries its ids)
     size = os.stat(path).st_size if os.path.exists(path) else 0
     if size * PARSED_BYTES > machine_memory():
         raise ValueError(f"{path} is {size / 2**30:.1f} GB, more than this machine holds parsed")

@@ -290,12 +290,9 @@ def test_bad_input_values_that_cannot_be_allocated_or_never_finish(tmp_path, cap
 
 def test_bad_input_values_end_to_end_and_debug(tmp_path):
     out = tmp_path / "run"
-    for args, words in [
-        (["--rollout.dynamic_sampling=1000000000"], "rollout.dynamic_sampling must be"),
-        (["--replay.strategy=aper", "--replay.capacity=1000000000000"], "bytes of replay"),
-    ]:
-        r = run_script(tmp_path, "train.py", *BASE, *args, f"--out_dir={out}")
-        assert_one_line(r, words)
+    args = ["--replay.strategy=aper", "--replay.capacity=1000000000000"]
+    r = run_script(tmp_path, "train.py", *BASE, *args, f"--out_dir={out}")
+    assert_one_line(r, "bytes of replay buffer")
     r = run_script(
         tmp_path, "eval.py", *EVAL, "--limit", "300", "--k", "100000", "--out-dir", str(out)
     )
@@ -466,11 +463,9 @@ def test_bad_input_bombs_end_to_end_and_debug(tmp_path, capsys):
     r = run_script(tmp_path, "train.py", "--config", bomb, f"--out_dir={out}")
     assert_one_line(r, "aliases expand to")
     fifo = data_bomb(tmp_path, "fifo")
-    r = run_script(tmp_path, "train.py", *BASE, f"--data.train={fifo}", f"--out_dir={out}")
-    assert_one_line(r, "not a regular file")  # a FIFO used to block the open forever
-    r = run_script(tmp_path, "eval.py", *EVAL, "--benchmarks", "/dev/zero", "--out-dir", str(out))
-    assert_one_line(r, "/dev/zero is a pipe, device or socket")
-    for spec in (fifo, data_bomb(tmp_path, "deep"), data_bomb(tmp_path, "not_utf8")):
+    r = run_script(tmp_path, "eval.py", *EVAL, "--benchmarks", fifo, "--out-dir", str(out))
+    assert_one_line(r, "fifo.jsonl is a pipe, device or socket")  # its open used to block forever
+    for spec in ("/dev/zero", data_bomb(tmp_path, "deep"), data_bomb(tmp_path, "not_utf8")):
         assert Path(spec).name in eval_refused(capsys, tmp_path, "--benchmarks", spec)
     assert not out.exists()
     text = debug_chain([*BASE, f"--data.train={data_bomb(tmp_path, 'deep')}", f"--out_dir={out}"])

@@ -333,8 +333,9 @@ def test_rlep_phase_one_store_is_fixed(tmp_path):
     assert row.tokens[0].tolist() == [8, 9, 10, 40, 2] and row.behav_logp[0].tolist() == [0.0] * 5
     assert row.correct.all() and (row.reward == cfg.reward.correct).all() and row.onpolicy.all()
 
-    for bad, message in [({"problem": "unknown", "completion_ids": [1]}, "row 1 needs a known problem"),
-                         ({"problem": "problem 0", "completion_ids": []}, "row 1 needs a known problem")]:  # fmt: skip
+    bad_rows = [({"problem": "unknown", "completion_ids": [1]}, ":1: problem is not among"),
+                ({"problem": "problem 0", "completion_ids": []}, ":1: completion_ids must be")]
+    for bad, message in bad_rows:
         (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
         with pytest.raises(ValueError, match=message):
             buffer("rlep", rlep_source=str(tmp_path / "bad.jsonl")).start(problems, prompts, None, cfg)
