@@ -20,7 +20,6 @@ import torch
 import yaml
 
 import vllm_engine
-from grpo import GRPOConfig
 from data.loaders import machine_memory, read_yaml_file
 from data.tiny_task import PROBLEM_BYTES, distinct_problems
 from grpo import GRPOConfig
