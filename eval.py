@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import signal
 import statistics
 import sys
 from collections import Counter
@@ -32,6 +34,7 @@ import rewards
 import vllm_engine
 from config import MAX_EVAL_SAMPLES, MAX_STEP_TOKENS
 from data.loaders import NAMED, Problem, load_problems
+from preempt import STOP, Interrupted, should_stop
 from rollout import (
     ChatTemplateError,
     RolloutConfig,
@@ -62,17 +65,24 @@ def maj_at_k(answers: list[str | None], correct: list[bool]) -> float:
 
 def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: RolloutConfig, reward_cfg,
              stop: list[int], desc: str | None = None, keep: bool = False, engine=None,
-             key: tuple = ()) -> list[dict]:
+             key: tuple = (), leave: bool = True) -> list[dict]:
     """Sample `sampling.group_size` completions per prompt (token ids) and verify them against `golds`. One record per
     prompt: correctness, extracted answers, token counts, truncation and sampling entropy per sample (and, if
-    `keep`, the completions with their token ids and behaviour log-probs). A tqdm bar if `desc`.
-    With a vllm_engine.Engine `engine` it samples (requests seeded from `key`); `model` then
-    measures entropies."""
+    `keep`, the completions with their token ids and behaviour log-probs). A tqdm bar if `desc`
+    (kept at the end if `leave`). With a vllm_engine.Engine `engine` it samples (requests seeded
+    from `key`); `model` then measures entropies. A stop (preempt.should_stop) ends it within a
+    token (HF generate; the engine between its calls): the records of the problems finished."""
     k, records = sampling.group_size, []
     per_call = max(1, sampling.gen_batch_size // k)  # prompts per generate call: ~gen_batch_size sequences
-    for start in tqdm(range(0, len(prompts), per_call), desc=desc, disable=desc is None):
+    starts = range(0, len(prompts), per_call)
+    for start in tqdm(starts, desc=desc, disable=desc is None, leave=leave):
         chunk = prompts[start : start + per_call]
-        ro, texts = sample(model, tokenizer, chunk, sampling, stop, engine, (*key, start))
+        if should_stop():
+            break
+        try:
+            ro, texts = sample(model, tokenizer, chunk, sampling, stop, engine, (*key, start))
+        except Interrupted:
+            break
         gold = [g for g in golds[start : start + per_call] for _ in range(k)]
         _, correct, _ = rewards.score_batch(texts, gold, reward_cfg)
         for j in range(len(texts) // k):
@@ -198,7 +208,9 @@ def load_benchmarks(args) -> dict[str, list[Problem]]:
     return benchmarks
 
 
-def run_eval(args) -> None:
+def run_eval(args) -> int:
+    """Evaluate args.model; returns the exit code: 0, or 143 / 130 when SIGTERM / SIGINT cut it
+    short (the problems finished are written, marked partial)."""
     out = check_args(args)
     benchmarks = load_benchmarks(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -211,7 +223,7 @@ def run_eval(args) -> None:
     sampling = RolloutConfig(group_size=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, gen_batch_size=args.batch_size)
     torch.manual_seed(args.seed)
-    results, records, prompts = {}, {}, {}
+    prompts = {}
     said = template_warnings(tokenizer, args.system_prompt) if args.chat_template else []
     for what in said:
         print(f"eval.py: warning: {args.model}: its chat template {what}: the model never sees it",
@@ -220,29 +232,51 @@ def run_eval(args) -> None:
         prompts[name] = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template,
                                     args.system_prompt) for p in problems]
     engine = make_engine(args, sampling, dtype, device, prompts)
-    for name, problems in benchmarks.items():
-        golds = [p.answer for p in problems]
-        records[name] = evaluate(model.to(device), tokenizer, prompts[name], golds, sampling,
-                                 rewards.RewardConfig(), stop, desc=name,
-                                 keep=bool(args.save_correct), engine=engine,
-                                 key=("eval.py", args.seed, name))
-        [r.update(id=p.id) for p, r in zip(problems, records[name])]
-        results[name] = summarize(records[name])
+    STOP.install()  # SIGTERM / SIGINT: the problems finished so far are written, marked partial
+    records, done = run_benchmarks(args, benchmarks, prompts, sampling, model.to(device), tokenizer,
+                                   stop, engine)
+    results = {name: summarize(recs) for name, recs in records.items() if recs}
+    partial = len(done) < sum(map(len, benchmarks.values()))  # (only a stop leaves problems out)
     if args.save_correct:
         tokens = sum(t for recs in records.values() for r in recs for t in r["tokens"])
         meta = {"generated_tokens": tokens, "model": args.model, "k": args.k, "temperature": args.temperature,
-                "top_p": args.top_p}
-        n = save_correct(args.save_correct, [p for ps in benchmarks.values() for p in ps],
-                         [r for recs in records.values() for r in recs], meta)
+                "top_p": args.top_p, "partial": partial, "problems": len(done)}
+        finished = [r for recs in records.values() for r in recs]
+        n = save_correct(args.save_correct, done, finished, meta)
         print(f"wrote {n} verified-correct completions to {args.save_correct} ({tokens} tokens generated)")
     print(results_table(results, args.k))
     try:
         out.mkdir(parents=True, exist_ok=True)
-        summary = {"args": vars(args), "macro": macro(results), "benchmarks": results, "problems": records}
+        overall = macro(results) if results else {}
+        summary = {"args": vars(args), "partial": partial, "macro": overall, "benchmarks": results,
+                   "problems": records}
         (out / "results.json").write_text(json.dumps(summary, indent=1))
     except OSError as e:
         fail(f"cannot write {out / 'results.json'}: {e.strerror}")
     print(f"\nwrote {out / 'results.json'}")
+    if partial:
+        name = signal.Signals(STOP.signum).name
+        print(f"stopped by {name}: partial results, {len(done)} problems", file=sys.stderr)
+        return 128 + STOP.signum
+    return 0
+
+
+def run_benchmarks(args, benchmarks: dict, prompts: dict, sampling: RolloutConfig, model, tokenizer,
+                   stop: list[int], engine) -> tuple[dict, list]:
+    """(records per benchmark, the problems they are of) until every problem is done or a stop."""
+    records, done = {}, []
+    for name, problems in benchmarks.items():
+        if should_stop():
+            break
+        golds = [p.answer for p in problems]
+        records[name] = evaluate(model, tokenizer, prompts[name], golds, sampling,
+                                 rewards.RewardConfig(), stop, desc=name,
+                                 keep=bool(args.save_correct), engine=engine,
+                                 key=("eval.py", args.seed, name))
+        done += problems[: len(records[name])]
+        for p, r in zip(problems, records[name]):
+            r.update(id=p.id)
+    return records, done
 
 
 def make_engine(args, sampling: RolloutConfig, dtype, device: str, prompts: dict):
@@ -262,24 +296,26 @@ def make_engine(args, sampling: RolloutConfig, dtype, device: str, prompts: dict
 def save_correct(path: str, problems: list[Problem], records: list[dict], meta: dict) -> int:
     """RLEP phase I: every verified-correct completion of `records` (evaluate(keep=True)) with its problem text, token
     ids and behaviour log-probs, so phase II replays exactly these tokens; `<path>.meta.json` gets `meta` (the tokens
-    this sampling generated among it). Returns the number of completions written."""
-    n = 0
-    with open(path, "w") as f:
+    this sampling generated among it). Returns the number of completions written. The file is
+    written aside and renamed into place: whatever stops the process, `path` holds whole lines."""
+    n, tmp = 0, Path(path).with_name(f".tmp_{Path(path).name}")
+    with open(tmp, "w") as f:
         for p, r in zip(problems, records, strict=True):
             for text, ids, lp, ok in zip(r.pop("completions"), r.pop("ids"), r.pop("behav_logp"), r["correct"]):
                 if ok:
                     f.write(json.dumps({"problem": p.problem, "completion": text, "completion_ids": ids,
                                         "behav_logp": [round(x, 6) for x in lp]}) + "\n")
                     n += 1
+    os.replace(tmp, path)
     Path(path + ".meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return n
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--compare" in argv:  # comparing runs: compare.py, with this program's name in its errors
         compare.main([a for a in argv if a != "--compare"], prog="eval.py")
-        return
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model", help="local checkpoint folder or Hugging Face model id")
@@ -313,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:
-        run_eval(args)
+        return run_eval(args)
     except ChatTemplateError as e:
         fix = "--system-prompt '' or --no-chat-template" if e.system else "--no-chat-template"
         bad = BadInput(f"model {args.model}: its chat template {e.said}; pass {fix}")
@@ -331,4 +367,4 @@ def error_exit(e: BadInput, debug: bool) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

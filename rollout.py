@@ -32,6 +32,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
 
 import grpo
 import lora
+from preempt import Interrupted, should_stop
 
 
 @dataclass
@@ -509,13 +510,21 @@ def kv_cache(model) -> transformers.DynamicCache | None:
     return _CastCache(torch.get_autocast_dtype(device), config=model.config)
 
 
+class _StopRequested(transformers.StoppingCriteria):
+    """Ends a `generate` call after the token under way once a stop is asked for (preempt.py)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        B, device = input_ids.shape[0], input_ids.device
+        return torch.full((B,), should_stop(), dtype=torch.bool, device=device)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, stop: list[int], prompt_idx=None,
              step: int = 0, counts: list[int] | None = None, group0: int | None = None) -> tuple[Rollouts, list[str]]:
     """Sample `counts[i]` (default cfg.group_size) completions of each prompt (token ids), cfg.gen_batch_size
     sequences per HF `generate` call. Returns rollouts (rows of one prompt adjacent, one group id per prompt, counted
     from `group0`, default step × prompts; reward, correctness and advantage left at 0) and the completions' texts
-    before their end token."""
+    before their end token. A stop (preempt.should_stop) ends it within a token: Interrupted."""
     counts = counts or [cfg.group_size] * len(prompts)
     expanded, rows, texts = [p for p, n in zip(prompts, counts) for _ in range(n)], [], []
     was_training, device, hf = model.training, next(model.parameters()).device, lora.hf_model(model)
@@ -528,14 +537,20 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     grpo.output_layer(model)  # float32 logits, as the training pass computes them
     try:  # (the empty config: nothing of the model's own fills what gen_cfg leaves unset)
         for start in range(0, len(expanded), cfg.gen_batch_size):
+            if should_stop():
+                raise Interrupted
             chunk = expanded[start : start + cfg.gen_batch_size]
             P, pad = max(map(len, chunk)), tokenizer.pad_token_id
             ids = torch.tensor([[pad] * (P - len(p)) + p for p in chunk], device=device)  # left-padded
             recorder = _SamplingDistribution(cfg)
             mask = torch.arange(P, device=device) >= P - torch.tensor([len(p) for p in chunk], device=device)[:, None]
+            until_stop = transformers.StoppingCriteriaList([_StopRequested()])
             out = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=gen_cfg,
                                  logits_processor=LogitsProcessorList([recorder]),
-                                 past_key_values=kv_cache(model))
+                                 past_key_values=kv_cache(model),
+                                 stopping_criteria=until_stop)
+            if should_stop():  # cut short: the rows are incomplete
+                raise Interrupted
             completion = out[:, P:]  # (b, T)
             logp, entropy = recorder.finish(completion[:, -1])  # (b, T) each
             ends = torch.isin(completion, stop_t)  # a completion ends at its first end token; later tokens are padding

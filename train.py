@@ -16,6 +16,8 @@ groups) → replay sample → update (grpo.update_policy) → replay push → lo
 Under torchrun each rank generates for its share of the prompts and keeps its own buffer; loss normalisers are
 global totals, so every rank applies the whole batch's update. Rank 0 logs and writes the model; each rank writes
 its own trainer state.
+SIGTERM at any moment (preemption) abandons a rollout or an eval under way, checkpoints the last
+completed step and exits 143; --resume redoes the abandoned work exactly (loop(), preempt.py).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from config import (
 from data.loaders import load_task, prompt_order
 from eval import evaluate, summarize
 from grpo import all_ranks, timed
+from preempt import STOP, Interrupted, abandonable
 from replay import make_replay
 from rewards import overlong_penalty, score_batch
 from rollout import (
@@ -328,23 +331,6 @@ def set_rng_state(s: dict) -> None:
     torch.cuda.set_rng_state_all(s["cuda"]) if "cuda" in s and torch.cuda.is_available() else None
 
 
-class StopSignal:
-    """SIGTERM / SIGINT ask the loop to stop at its next safe point; a second signal stops at once."""
-
-    def __init__(self):
-        self.signum = 0
-        signal.signal(signal.SIGTERM, self), signal.signal(signal.SIGINT, self)
-
-    def __call__(self, signum, frame):
-        if self.signum:
-            print(f"\nerror: {signal.Signals(signum).name} again: stopping now, without a checkpoint", file=sys.stderr)
-            os._exit(128 + signum)
-        self.signum = signum
-
-    def agreed(self) -> int:  # every rank stops at the same point
-        return int(all_ranks(self.signum, MAX))
-
-
 # -------------------------------------------------------------------------------------------------------- set-up
 
 
@@ -373,7 +359,7 @@ class Run:
     progress: dict = field(default_factory=lambda: {  # saved in checkpoints: with the states, all a resume needs
         "step": 0, "data_pos": 0, "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0, "wall": 0.0,
         "skipped": {"nonfinite": 0, "zero_adv": 0, "gated": 0}, "wandb_id": None,
-        "eval_initial": {}, "eval_last": {}})
+        "eval_initial": {}, "eval_last": {}, "pending_row": None})  # (a step's line until written)
     log: object = None  # rank 0's: metrics.jsonl open for appending, the out_dir lock, the wandb run
     lock: object = None
     wandb: object = None
@@ -552,16 +538,19 @@ def row_entropy(r: Run, rows: Rollouts) -> torch.Tensor:
 
 def run_eval(r: Run, t: dict | None = None) -> dict:
     """Held-out eval: each rank samples its share of the prompts from its own fixed seed (how often we evaluate never
-    changes training randomness); every rank gets the summary over all of them."""
+    changes training randomness); every rank gets the summary over all of them. A stop abandons it
+    (Interrupted)."""
     e = r.cfg.eval
     sampling = replace(r.cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p, top_k=0,
                        max_new_tokens=e.max_new_tokens or r.cfg.rollout.max_new_tokens)
     sync_engine(r, {} if t is None else t)
+    desc = f"eval {r.progress['step']}" if r.rank == 0 else None  # a bar: a real eval takes minutes
     with torch.random.fork_rng(devices=[r.device] if r.device.type == "cuda" else []), full_weights(r.model, r.compute):
         torch.manual_seed(r.cfg.seed + r.rank)
-        records = evaluate(r.model, r.tokenizer, r.eval_prompts[r.rank :: r.world], r.eval_golds[r.rank :: r.world],
-                           sampling, r.cfg.reward, r.stop, engine=r.engine,
-                           key=("eval", r.cfg.seed, r.rank))
+        prompts, golds = r.eval_prompts[r.rank :: r.world], r.eval_golds[r.rank :: r.world]
+        with abandonable():
+            records = evaluate(r.model, r.tokenizer, prompts, golds, sampling, r.cfg.reward, r.stop,
+                               desc, leave=False, engine=r.engine, key=("eval", r.cfg.seed, r.rank))
     if dist.is_initialized():
         parts = [None] * r.world
         dist.all_gather_object(parts, records)
@@ -574,6 +563,7 @@ def run_eval(r: Run, t: dict | None = None) -> dict:
 
 def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
     """Set up, run the loop, finish; returns the exit code (0, or 143 / 130 after SIGTERM / SIGINT)."""
+    STOP.install()  # a signal is a request from here on (during set-up too)
     r = setup(cfg, resume, overwrite)
     try:
         return finish(r, loop(r))
@@ -594,21 +584,32 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
 
 
 def loop(r: Run) -> int:
-    """Generation steps until max_steps or a stop signal; returns the signal number (0 = ran to the end)."""
-    cfg, p, signals = r.cfg, r.progress, StopSignal()
-    if p["step"] == 0:
-        p["eval_initial"] = p["eval_last"] = run_eval(r)
-    t_run = time.time() - p["wall"]
+    """Generation steps until max_steps or a stop; returns the signal number (0 = ran to the end).
+
+    A stop (SIGTERM, SIGINT: preempt.py) abandons the rollout or the eval under way, and the loop
+    ends at the last completed step. An abandoned rollout is redone after --resume from this step's
+    start (its RNG streams and data position are put back); an abandoned eval is run by --resume
+    before the next step (the step's metrics line waits for it in the checkpoint). An update under
+    way finishes: its time is bounded (one batch, whatever the eval's or the generation's length),
+    and abandoning it would need a copy of the weights and optimizer state from before it (with
+    optim.minibatches > 1 it has already stepped the optimizer)."""
+    cfg, p = r.cfg, r.progress
+    try:
+        if p["step"] == 0:
+            p["eval_initial"] = p["eval_last"] = run_eval(r)
+        t_run = time.time() - p["wall"]
+        if p["pending_row"]:  # a stop cut the last step's eval short
+            end_step(r, t_run)
+    except Interrupted:
+        return STOP.signum
     bar = tqdm(range(p["step"], cfg.max_steps), initial=p["step"], total=cfg.max_steps, disable=r.rank > 0)
     for step in bar:
-        t, at_start = {}, (rng_state(), p["data_pos"])
-        fresh, rounds, generated = rollout(r, step, t)  # 1-2. rollout and reward
+        t = {}
+        if (done := rollout_or_rewind(r, step, t)) is None:  # 1-2. rollout and reward
+            break
+        fresh, rounds, generated = done
         if r.engine is not None:  # GPU: the KV cache is freed while the trainer needs the memory
             r.engine.sleep()
-        if signals.agreed():  # stop before anything of this step is kept: a checkpoint now is this step's start
-            set_rng_state(at_start[0])
-            p["data_pos"] = at_start[1]
-            break
         p["generated_tokens"] += generated
         with timed(t, "advantage"):  # 3. Advantages within each group (RLEP, ExGRPO first add stored rows to groups)
             fresh = r.replay.before_advantages(fresh, step)
@@ -618,29 +619,60 @@ def loop(r: Run) -> int:
             batch = r.replay.sample(fresh, step)
         for group in r.optimizer.param_groups:  # the schedule counts generation steps, whatever optim.minibatches is
             group["lr"] = grpo.lr_at(step, cfg)
-        # 5. Update: optim.minibatches optimizer steps, each over micro-batches.
+        # 5. Update: optim.minibatches optimizer steps, each of micro-batches. A stop waits for it.
         update, entropy, skipped, times = grpo.update_policy(cfg, r.model, r.policy, r.optimizer, batch, r.device,
                                                              r.compute, r.ref)
         t |= times
         r.optimizer_steps += sum(reason is None for reason in skipped)
         with timed(t, "replay_push"):  # 6. Replay push: the batch after the update, with each row's entropy now
             r.replay.push(batch, step, entropy)
-        # 7. Log one line; 8. eval every eval.every steps and at the end; 9. checkpoint every checkpoint.every steps.
-        row = log_row(r, step, fresh, batch, update, skipped, {**adv_metrics, **rounds, **r.replay.metrics()}, t)
-        if (cfg.eval.every and (step + 1) % cfg.eval.every == 0) or step + 1 == cfg.max_steps:
-            with timed(t, "eval"):
-                p["eval_last"] = run_eval(r, t)
-            row |= {f"eval/{k}": v for k, v in p["eval_last"].items()} | {"time/eval": t["eval"]}
-        p["step"], p["wall"] = step + 1, time.time() - t_run
-        write_row(r, row | {"wall_seconds": p["wall"]})
+        # 7. Log one line (8. after the eval, every eval.every steps and at the end);
+        # 9. checkpoint every checkpoint.every steps.
+        p["step"] = step + 1
+        local = {**adv_metrics, **rounds, **r.replay.metrics()}
+        p["pending_row"] = log_row(r, step, fresh, batch, update, skipped, local, t)
+        try:
+            row = end_step(r, t_run)
+        except Interrupted:  # the step is done: the checkpoint keeps its line for --resume
+            break
         if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.max_steps):
             save_checkpoint(r)
         if r.rank == 0 and (r.out / ".overwritten").is_dir():  # the new run has a step: the old one can go
             shutil.rmtree(r.out / ".overwritten")
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", eval=f"{p['eval_last'].get('accuracy', math.nan):.3f}")
-        if signals.agreed():
+        if STOP.agreed():
             break
-    return signals.signum
+    return STOP.agreed()  # (the same answer on every rank, even for a signal during the last step)
+
+
+def end_step(r: Run, t_run: float) -> dict:
+    """The finished step's eval when due, then its metrics line (kept in progress until written)."""
+    cfg, p, row = r.cfg, r.progress, r.progress["pending_row"]
+    if (cfg.eval.every and p["step"] % cfg.eval.every == 0) or p["step"] == cfg.max_steps:
+        t0 = time.perf_counter()
+        p["eval_last"] = run_eval(r)
+        evals = {f"eval/{k}": v for k, v in p["eval_last"].items()}
+        row = row | evals | {"time/eval": time.perf_counter() - t0}
+    p["wall"] = time.time() - t_run
+    write_row(r, row | {"wall_seconds": p["wall"]})
+    p["pending_row"] = None
+    return row
+
+
+def rollout_or_rewind(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int] | None:
+    """rollout(), or None when a stop abandoned it (or came during the reward): the RNG streams, the
+    data position and the replay sampler are put back, so a checkpoint now is this step's start."""
+    start = (rng_state(), r.progress["data_pos"], r.replay.gen.get_state())
+    try:
+        done = rollout(r, step, t)
+        if STOP.agreed():
+            raise Interrupted
+        return done
+    except Interrupted:
+        set_rng_state(start[0])
+        r.progress["data_pos"] = start[1]
+        r.replay.gen.set_state(start[2])  # (exgrpo's plan draws from it)
+        return None
 
 
 def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
@@ -656,7 +688,7 @@ def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
             idx = prompt_order(len(r.prompts), p["data_pos"], n, cfg.seed)[r.rank :: r.world]
             idx, counts = r.replay.plan(idx, G, step) if rnd == 0 else (idx, [G] * len(idx))
             p["data_pos"] += n
-            with full_weights(r.model, r.compute):
+            with full_weights(r.model, r.compute), abandonable():  # a stop: Interrupted, every rank
                 fresh, texts = sample(r, idx, step, counts, (step * R + rnd) * n, rnd)
             generated += int(all_ranks(float(fresh.completion_len.sum())))
         with timed(t, "reward"):
@@ -732,6 +764,8 @@ def finish(r: Run, signum: int) -> int:
         save_checkpoint(r)
     if signum:
         where = f"--resume continues from {checkpoints(r.out)[-1].name}" if checkpoints(r.out) else "no checkpoint yet"
+        if p["pending_row"] and signum == signal.SIGTERM:
+            where += f" (with the eval of step {p['step']}, cut short)"
         print(f"\nstopped by {signal.Signals(signum).name} after step {p['step']}; {where}", file=sys.stderr)
         return 128 + signum
     save(r.model, r.tokenizer, r.out / "final", dtype=getattr(torch, r.cfg.model.compute_dtype))

@@ -1,0 +1,116 @@
+"""Stopping at any moment (preemption). SIGTERM or SIGINT asks the process to stop; the work under
+way that is not a training update (a generation, an eval, dynamic-sampling rounds) is abandoned at
+its next token or problem, and the caller goes back to its last safe point.
+
+  STOP.install()   once per process: the signal handlers
+  should_stop()    whether a stop was asked for; cheap enough to call after every token.
+                   rollout.generate calls it through a transformers StoppingCriteria; another
+                   generation engine calls the same function
+  STOP.agreed()    every rank at the same point: the signal any rank got (all-reduce MAX), 0 if none
+  abandonable()    a phase a stop may cut short on one rank: at its end every rank agrees, and all
+                   raise Interrupted together if any rank was stopped
+
+Ranks generate different lengths, so no collective can run per token: a rank stops on its own
+flag, and the ranks agree at the phase's end, which every rank reaches. A rank that got the signal
+also posts it in the process group's key-value store, where the others look once a second while
+they generate: torchrun forwards SIGTERM to each of its workers, but a scheduler that drains one
+node signals that node's processes only, and the other ranks must not finish a long eval first. A
+rank waiting for the others at the agreement keeps looking (the all-reduce runs asynchronously),
+so a signal that arrives while it waits reaches the ranks still working too.
+
+A second SIGINT stops at once, without a checkpoint (Ctrl-C twice). A repeated SIGTERM is the same
+request: a scheduler may signal every process of a job and torchrun forwards the signal again;
+SIGKILL at the end of the grace period is the hard stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+KEY = "preempt/stop"  # in the process group's store: the signal number a rank got
+POLL = 1.0  # seconds between looks into the store
+
+
+class Interrupted(Exception):
+    """A stop abandoned the work under way; the caller goes back to its last safe point."""
+
+
+class Stop:
+    """This process's stop request: the signal number (0: none), set by the signal handler or by
+    another rank's post."""
+
+    def __init__(self):
+        self.signum, self.at, self.posted, self.looked = 0, 0.0, False, 0.0
+
+    def install(self) -> None:
+        self.__init__()  # a new request for each run (tests run several in one process)
+        signal.signal(signal.SIGTERM, self.handle)
+        signal.signal(signal.SIGINT, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        again = self.signum and signum == signal.SIGINT
+        if again and time.monotonic() - self.at > 1:  # (within a second: a launcher's copy)
+            print("\nerror: SIGINT again: stopping now, without a checkpoint", file=sys.stderr)
+            os._exit(128 + signum)
+        if not self.signum:
+            self.signum, self.at = signum, time.monotonic()
+
+    def requested(self) -> bool:
+        """Whether this process, or (looked up once a second) another rank, was asked to stop."""
+        store = _store()
+        if store is not None and self.signum and not self.posted:
+            store.set(KEY, str(self.signum))
+            self.posted = True
+        elif store is not None and not self.signum and time.monotonic() - self.looked > POLL:
+            self.looked = time.monotonic()
+            if store.check([KEY]):
+                self.signum, self.posted = int(store.get(KEY)), True
+        return bool(self.signum)
+
+    def agreed(self) -> int:
+        """The signal any rank got, on every rank (0: none); every rank calls it at one point."""
+        if not dist.is_initialized():
+            return self.signum
+        flag = torch.tensor([float(self.requested() and self.signum)])
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        while not work.is_completed():  # waiting for slower ranks: post a signal that comes now
+            self.requested()
+            time.sleep(0.01)
+        work.wait()
+        agreed = int(flag.item())
+        self.signum = agreed or self.signum  # (a signal during the wait counts at the next one)
+        return agreed
+
+
+STOP = Stop()
+should_stop = STOP.requested
+
+
+def _store():
+    """The process group's key-value store (torchrun's), None without one."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):  # a group made without a store
+        return None
+
+
+@contextmanager
+def abandonable():
+    """A phase a stop may cut short on this rank. It must hold no collective (the other ranks would
+    wait in it): an Interrupted inside ends it early; at its end every rank agrees, and all raise
+    Interrupted if any rank was stopped."""
+    try:
+        yield
+    except Interrupted:
+        pass
+    if STOP.agreed():
+        raise Interrupted
