@@ -27,8 +27,14 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                          LogitsProcessor, LogitsProcessorList)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 import grpo
 import lora
