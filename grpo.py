@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -455,7 +456,8 @@ def all_ranks(x, op=None):
 
 
 def _logprobs(model, mb, cfg, device, with_entropy=False):
-    sharded = isinstance(next(model.parameters()), DTensor)  # FSDP (the root may be inside peft's)
+    # FSDP: asked of the module, not of a parameter (an unsharded root holds plain tensors)
+    sharded = isinstance(hf_module(model), FSDPModule)
     share = not cfg.model.gradient_checkpointing and not (torch.is_grad_enabled() and sharded)
     return completion_logprobs(model, mb.tokens.to(device), mb.prompt_len.to(device), mb.seq_len.to(device),
                                cfg.rollout.temperature, with_entropy, share_prompt=share)
