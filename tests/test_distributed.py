@@ -184,7 +184,10 @@ def host_collectives(backend: str) -> None:
             done[name] = f"ok {call()}"
         except RuntimeError as e:
             done[name] = str(e)
-    print(json.dumps(done))
+    # one write of < 4 KiB to a pipe is atomic: the ranks' lines never interleave (print's
+    # separate newline write let them)
+    sys.stdout.write(json.dumps(done) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
