@@ -6,7 +6,6 @@ check.
   python -m pytest -q tests/test_logprobs.py        # ~1 min on 2 CPU cores
 """
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import grpo
 import rollout
+from bench.gpu_check import counting_all_gathers
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, generate
 from tests.test_scale import one_update, synthetic_batch, tiny_qwen3, update_cfg
@@ -273,24 +273,6 @@ def test_sampler_checks_finiteness_once_at_the_end():
 
 
 # ------------------------------------------------------------------------------ FSDP (torchrun)
-
-
-@contextlib.contextmanager
-def counting_all_gathers(counter: list):
-    """Count FSDP2's all-gathers (dist.all_gather_single, looked up at each call) while inside."""
-    import torch.distributed as dist
-
-    real = dist.all_gather_single
-
-    def counted(*args, **kwargs):
-        counter.append(1)
-        return real(*args, **kwargs)
-
-    dist.all_gather_single = counted
-    try:
-        yield
-    finally:
-        dist.all_gather_single = real
 
 
 def fsdp_worker(model_dir: str, out: str) -> None:
