@@ -92,3 +92,21 @@ def test_budget_check_passes_on_a_clean_tree_and_counts_an_engine(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
                            "--check"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "0 target(s) missed" in proc.stdout
+
+
+def test_budget_imports_no_module_imports_train_and_grpo_imports_no_config(tmp_path):
+    root = write_tree(tmp_path)
+    (root / "grpo.py").write_text("import torch\nfrom config import Config\n")
+    (root / "replay.py").write_text("import train\nfrom train import Run\n")
+    assert budget.measure(root / "grpo.py")["imports"] == [(2, "config")]
+    assert budget.measure(root / "replay.py")["imports"] == [(1, "train"), (2, "train")]
+    (root / "eval.py").write_text("from config import MAX_STEPS\n")  # config is fine elsewhere
+    assert budget.measure(root / "eval.py")["imports"] == []
+
+
+def test_budget_imports_of_this_repository():
+    """The real tree: nothing imports train.py, grpo.py imports no config class."""
+    for _, names, _ in budget.subjects(ROOT):
+        for name in names:
+            if (ROOT / name).is_file():
+                assert budget.measure(ROOT / name)["imports"] == [], name
