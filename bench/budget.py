@@ -8,7 +8,8 @@ Usage:
 Lines: non-blank, non-comment lines, docstrings counted (the rows a token other than a comment
 covers), per subject against its budget; the GRPO path includes a vLLM engine module if one exists.
 Density, over every subject file and the other core modules (shown without a budget): lines over
-100 characters; conditional expressions, comprehensions and tuples used as statements (`x.close() if x else None`, `[f(m) for m in ms]`, `a(), b()`);
+100 characters; conditional expressions, comprehensions and tuples used as statements
+(`x.close() if x else None`, `[f(m) for m in ms]`, `a(), b()`);
 `# noqa` outside rewards.py (the verifier's sandbox, where a broad except is the contract);
 functions over 60 lines (from `def` to their last line); and the mean characters per counted line
 (indentation included, trailing spaces not). Imports: no core module imports train.py, and grpo.py
