@@ -121,6 +121,35 @@ class GRPOConfig:
                                   "0 (off) or ≥ 1")}
 
 
+@dataclass
+class GroupStats:
+    """Per-group reductions of values (N,) over group ids (N,), in float64; K groups."""
+    ids: Tensor  # (K,) the distinct group ids, sorted
+    index: Tensor  # (N,) each row's group, 0..K-1
+    count: Tensor  # (K,) rows
+    total: Tensor  # (K,) sum of the values
+    mean: Tensor  # (K,)
+    std: Tensor  # (K,) unbiased, 0 for a single row
+    flat: Tensor  # (K,) all values equal: exact, where std can be > 0 by round-off in the mean
+
+
+def group_stats(values: Tensor, group: Tensor) -> GroupStats:
+    """Count, sum, mean, std and flatness of each group. Rows of a group need not be adjacent and
+    ids need not be contiguous."""
+    ids, index = torch.unique(group, return_inverse=True)  # (K,), (N,)
+    x = values.double()  # (N,)
+
+    def per_group(v: Tensor, how: str = "sum", init: float = 0.0) -> Tensor:  # (N,) -> (K,)
+        return torch.full((len(ids),), init, dtype=x.dtype).scatter_reduce(0, index, v, how)
+
+    count = per_group(torch.ones_like(x))
+    total = per_group(x)
+    mean = total / count
+    var = per_group((x - mean[index]) ** 2) / (count - 1).clamp(min=1)
+    flat = per_group(x, "amax", -math.inf) == per_group(x, "amin", math.inf)
+    return GroupStats(ids, index, count, total, mean, var.sqrt(), flat)
+
+
 def group_advantages(rewards: Tensor, group: Tensor, scale: str = "group", eps: float = 1e-6) -> tuple[Tensor, dict]:
     """A_i = (r_i − mean_g) / (std_g + eps), g the group of row i. Returns advantages (N,) and metrics.
 
@@ -129,35 +158,24 @@ def group_advantages(rewards: Tensor, group: Tensor, scale: str = "group", eps: 
                    (of the centred rewards, so that differences in difficulty between prompts do not inflate it).
     scale="none":  A_i = r_i − mean_g (Dr. GRPO: dividing by std_g up-weights prompts that are too easy or too hard).
     A group whose rewards are all equal (a single-row group included) gets A = 0 exactly, despite round-off in its mean.
-    Rows of a group need not be adjacent and ids need not be contiguous.
     """
-    r = rewards.double()  # (N,)
-    _, g = torch.unique(group, return_inverse=True)  # (N,) ids 0..K-1
-    K = int(g.max()) + 1
-
-    def per_group(x: Tensor, how: str = "sum", init: float = 0.0) -> Tensor:  # (N,) -> (K,)
-        return torch.full((K,), init, dtype=r.dtype).scatter_reduce(0, g, x, how)
-
-    n = per_group(torch.ones_like(r))  # (K,)
-    centred = r - (per_group(r) / n)[g]  # (N,)
-    std = {"group": (per_group(centred**2) / (n - 1).clamp(min=1)).sqrt()[g],
-           "batch": centred.std() if len(r) > 1 else torch.tensor(0.0, dtype=r.dtype), "none": None}
+    s = group_stats(rewards, group)
+    centred = rewards.double() - s.mean[s.index]  # (N,)
+    std = {"group": s.std[s.index],
+           "batch": centred.std() if len(centred) > 1 else torch.tensor(0.0, dtype=centred.dtype), "none": None}
     if scale not in std:
         raise ValueError(f"adv_scale must be group | batch | none, got {scale!r}")
     adv = centred if std[scale] is None else centred / (std[scale] + eps)
-    flat = flat_groups(r, group)  # (N,) rows of a group with zero reward variance
-    adv = torch.where(flat, 0.0, adv)  # also replaces 0/0 when eps = 0
-    metrics = {"adv/zero_std_frac": per_group(flat.double(), "amax").mean().item(), "adv/groups": float(K),
+    adv = torch.where(s.flat[s.index], 0.0, adv)  # also replaces 0/0 when eps = 0
+    metrics = {"adv/zero_std_frac": s.flat.double().mean().item(), "adv/groups": float(len(s.ids)),
                "adv/abs_mean": adv.abs().mean().item()}
     return adv.to(rewards.dtype), metrics
 
 
 def flat_groups(rewards: Tensor, group: Tensor) -> Tensor:
     """(N,) rows whose group's rewards are all equal: zero advantage, nothing to learn from (a single row included)."""
-    _, g = torch.unique(group, return_inverse=True)
-    K, r = int(g.max()) + 1 if len(g) else 0, rewards.double()
-    hi = torch.full((K,), -math.inf, dtype=r.dtype).scatter_reduce(0, g, r, "amax")
-    return (hi == torch.full((K,), math.inf, dtype=r.dtype).scatter_reduce(0, g, r, "amin"))[g]
+    s = group_stats(rewards, group)
+    return s.flat[s.index]
 
 
 HEAD_CHUNK = 2**25

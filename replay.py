@@ -40,6 +40,7 @@ import torch
 
 from data.loaders import PARSED_BYTES, json_line, jsonl_rows, machine_memory, open_regular
 from grpo import all_ranks as grpo_all_ranks
+from grpo import group_stats
 from rollout import Rollouts, pack
 
 STRATEGIES: dict[str, type[Replay]] = {}
@@ -263,9 +264,10 @@ class Replay:
             in_batch = fresh.prompt_idx == p
             ref = (torch.cat([fresh.reward[in_batch], rows.reward[i : i + 1]]) if in_batch.any()  # the row joins
                    else self.rows.reward[self.valid & (self.rows.prompt_idx == p)]).double()
-            spread = len(ref) >= 2 and ref.std().item() > 1e-6
+            s = group_stats(ref, torch.zeros(len(ref), dtype=torch.long))  # one group
+            spread = len(ref) >= 2 and s.std[0].item() > 1e-6
             if spread or in_batch.any():  # a group without spread gives 0, as grpo's does
-                out[i] = (rows.reward[i] - ref.mean()) / (ref.std() + 1e-6) if spread else 0.0
+                out[i] = (rows.reward[i] - s.mean[0]) / (s.std[0] + 1e-6) if spread else 0.0
         return out
 
     def _first_per_prompt(self, slots: torch.Tensor, key: torch.Tensor, n: int) -> torch.Tensor:
@@ -278,16 +280,6 @@ class Replay:
 
 
 STRATEGIES[Replay.name] = Replay
-
-
-def groups_of(rows: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(group ids (K,), each row's index into them (B,), each group's reward std (K,), unbiased; 0 for one row)."""
-    ids, inv = torch.unique(rows.group, return_inverse=True)
-    n = torch.bincount(inv, minlength=len(ids)).double()
-    r = rows.reward.double()
-    mean = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, r) / n
-    var = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, (r - mean[inv]) ** 2) / (n - 1).clamp(min=1)
-    return ids, inv, var.sqrt()
 
 
 class UniformReplay(Replay):
@@ -620,9 +612,8 @@ class ExgrpoReplay(Replay):
         return mixed.select(torch.argsort(mixed.group, stable=True))
 
     def push(self, batch, step, entropy):
-        ids, inv, _ = groups_of(batch)
-        k = torch.zeros(len(ids)).index_add_(0, inv, batch.correct.float())  # successes per group (replay included)
-        n = torch.bincount(inv, minlength=len(ids)).float()
+        s = group_stats(batch.correct, batch.group)
+        k, n, inv = s.total, s.count, s.index  # successes and rows per group (replay included)
         solved = torch.unique(batch.prompt_idx[(k == n)[inv]])
         self.retired = torch.unique(torch.cat([self.retired, solved]))
         self._evict(torch.isin(self.rows.prompt_idx, solved), "retired")
@@ -660,7 +651,8 @@ class GroupReplay(Replay):
 
     def push(self, batch, step, entropy):
         fresh = batch.select(~batch.replayed)
-        ids, inv, std = groups_of(fresh)
+        s = group_stats(fresh.reward, fresh.group)
+        ids, inv, std = s.ids, s.index, s.std
         priority = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, fresh.advantage.abs().double()) * std
         keep = (std > 0)[inv]
         size = torch.bincount(inv, minlength=len(ids)) * (std > 0)  # (K,) rows each group would store
@@ -674,7 +666,8 @@ class GroupReplay(Replay):
 
     def sample(self, fresh, step):
         self._evict(step - self.rows.born > self.cfg.tau_max, "age")
-        ids, _, std = groups_of(fresh)
+        s = group_stats(fresh.reward, fresh.group)
+        ids, std = s.ids, s.std
         stored = self._stored()
         groups, first = torch.unique(self.rows.group[stored], return_inverse=True)
         priority = torch.zeros(len(groups)).scatter_(0, first, self.score[stored])

@@ -11,6 +11,7 @@ import torch
 from grpo import (
     GRPOConfig,
     group_advantages,
+    group_stats,
     policy_loss,
     token_logprobs,
 )
@@ -75,6 +76,17 @@ def test_zero_variance_groups_get_exactly_zero(scale):
     assert adv[[0, 1, 2, 5]].tolist() == [0.0, 0.0, 0.0, 0.0]
     assert adv[3] > 0 > adv[4]
     assert metrics["adv/zero_std_frac"] == pytest.approx(2 / 3)
+
+
+def test_group_stats_hand_computed():
+    s = group_stats(t(REWARDS), torch.tensor(GROUPS))  # groups 3 (rows 1, 3), 7 (0, 2, 4), 9 (5, 6)
+    assert s.ids.tolist() == [3, 7, 9] and s.index.tolist() == [1, 0, 1, 0, 1, 2, 2]
+    assert s.count.tolist() == [2, 3, 2] and s.total.tolist() == [1, 1, 4]
+    torch.testing.assert_close(s.mean, t([0.5, 1 / 3, 2.0]), rtol=0, atol=1e-15)
+    torch.testing.assert_close(s.std, t([0.5**0.5, (1 / 3) ** 0.5, 0.0]), rtol=0, atol=1e-15)
+    assert s.flat.tolist() == [False, False, True]
+    one = group_stats(t([0.1, 0.1, 0.1, 4.0]), torch.tensor([0, 0, 0, 1]))  # round-off in the mean: std > 0
+    assert one.flat.tolist() == [True, True] and one.std[0] > 0 and one.std[1] == 0
 
 
 # ---------------------------------------------------------------- token log-probs
