@@ -25,81 +25,74 @@ from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
 
 FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
           "tokens_ratio", "steps_to_target", "aes", "area"]
+NUMBER = (int, float)
+NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated_total",
+           "eval_entropy_final", "generated_tokens", "tokens/generated_total", "eval/accuracy",
+           "eval/accuracy_se", "eval/response_len", "eval/entropy"]
+TYPES = {"strategy": str, "seed": int, "step": int} | dict.fromkeys(NUMBERS, NUMBER)
 
 
 def load_run(path: str | Path) -> dict:
-    """A run folder: arm (`dynamic`: none with rollout.dynamic_sampling; `epochs2`: none with
-    optim.epochs = 2, `epochs4+gate` with optim.gate), seed, final figures, eval curve
-    [(step, generated tokens, accuracy, standard error)]; step 0 after RLEP's phase I."""
+    """A run folder: arm, seed, final figures and the eval curve [(step, generated tokens, accuracy,
+    standard error)], whose step 0 sits after RLEP's phase I."""
     path = Path(path)
     summary, config, rows = read_run(path)
     rows = rows or [{}]  # an empty row: no eval, nothing generated
-    strategy = summary.get("strategy") or (config.get("replay") or {}).get("strategy")
+    strategy = summary.get("strategy") or config.get("replay", {}).get("strategy")
     if strategy is None:
         raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
-    if (config.get("rollout") or {}).get("dynamic_sampling"):  # its own arm, never the baseline
-        strategy = "dynamic" if strategy == "none" else f"{strategy}+dynamic"
-    optim = config.get("optim") or {}
+    tags = [strategy]
+    if config.get("rollout", {}).get("dynamic_sampling"):  # its own arm, never the baseline
+        tags.append("dynamic")
+    optim = config.get("optim", {})
     if optim.get("epochs", 1) > 1:  # reuse too: epochs2, epochs4+gate, aper+epochs2
-        tag = f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate"))
-        strategy = tag if strategy == "none" else f"{strategy}+{tag}"
+        tags.append(f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate")))
     phase1 = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0)
     curve = [(0, phase1, summary.get("eval_accuracy_initial"), 0.0)]
-    for r in rows:
-        tokens = r.get("tokens/generated_total", r.get("generated_tokens"))
-        curve.append((r.get("step"), tokens, r.get("eval/accuracy"), r.get("eval/accuracy_se", 0)))
+    for row in rows:
+        tokens = row.get("tokens/generated_total", row.get("generated_tokens"))
+        se = row.get("eval/accuracy_se", 0)
+        curve.append((row.get("step"), tokens, row.get("eval/accuracy"), se))
     curve = [c for c in curve if c[2] is not None]
-    last = rows[-1]  # an unfinished run's figures
-    seed = summary.get("seed", config.get("seed"))
-    return {"path": str(path), "strategy": strategy, "seed": seed, "curve": curve,
+    return {"path": str(path), "strategy": "+".join(tags).removeprefix("none+"),
+            "seed": summary.get("seed", config.get("seed")), "curve": curve,
             "final": curve[-1][2] if curve else None,
-            "length": summary.get("eval_response_len_final", last.get("eval/response_len")),
+            "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
             "tokens": summary.get("tokens_generated_total", tokens),
-            "entropy": summary.get("eval_entropy_final", last.get("eval/entropy"))}
-
-
-NUMBER = (int, float)
-SUMMARY = {"strategy": str, "seed": int, "eval_accuracy_initial": NUMBER,
-           "eval_response_len_final": NUMBER, "tokens_generated_total": NUMBER,
-           "eval_entropy_final": NUMBER}  # the fields load_run reads; null allowed
-ROW = {"step": int, "generated_tokens": NUMBER, "tokens/generated_total": NUMBER,
-       "eval/accuracy": NUMBER, "eval/accuracy_se": NUMBER, "eval/response_len": NUMBER,
-       "eval/entropy": NUMBER}
+            "entropy": summary.get("eval_entropy_final", rows[-1].get("eval/entropy"))}
 
 
 def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
-    """(summary.json, config.yaml, metrics.jsonl rows) of a run folder: one of summary and metrics
-    at least. Only regular files are read, under size and depth bounds, and every field load_run
-    uses is checked: ValueError naming the file (and line) otherwise."""
-    files = {name: path / name for name in ("summary.json", "config.yaml", "metrics.jsonl")}
-    if not files["metrics.jsonl"].exists() and not files["summary.json"].exists():
+    """(summary.json, config.yaml, metrics.jsonl rows), one of summary and metrics at least, every
+    field load_run reads checked: ValueError naming the file (and line) otherwise."""
+    summary_file, config_file = path / "summary.json", path / "config.yaml"
+    metrics_file = path / "metrics.jsonl"
+    if not metrics_file.exists() and not summary_file.exists():
         raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
-    summary, config, numbered = {}, {}, []
-    if files["summary.json"].exists():
-        with open_regular(files["summary.json"], 1 << 20) as f:
-            summary = json_line(f.read(), files["summary.json"], 1) or {}
-        check_fields(summary, SUMMARY, str(files["summary.json"]))
-    if files["config.yaml"].exists():
-        config = read_yaml_file(files["config.yaml"]) or {}
-        sections = isinstance(config, dict) and all(
-            isinstance(config.get(k, {}), dict) for k in ("replay", "rollout"))
-        if not sections:
-            raise ValueError(f"{files['config.yaml']}: not a run's config (a mapping with replay "
-                             "and rollout sections)")
-    if files["metrics.jsonl"].exists():
-        numbered = jsonl_rows(files["metrics.jsonl"])
+    summary, config, rows = {}, {}, []
+    if summary_file.exists():
+        with open_regular(summary_file, 1 << 20) as f:
+            summary = json_line(f.read(), summary_file, 1) or {}
+        check_types(summary, summary_file)
+    if config_file.exists():
+        config = read_yaml_file(config_file) or {}
+        sections = ("replay", "rollout", "optim")
+        if not isinstance(config, dict) or not all(
+                isinstance(config.get(k, {}), dict) for k in sections):
+            raise ValueError(f"{config_file}: not a run's config (a mapping of sections)")
+    numbered = jsonl_rows(metrics_file) if metrics_file.exists() else []
     for lineno, row in numbered:
-        check_fields(row, ROW, f"{files['metrics.jsonl']}:{lineno}")
+        check_types(row, f"{metrics_file}:{lineno}")
         if row.get("step") is None or row.get("generated_tokens") is None:
-            where = f"{files['metrics.jsonl']}:{lineno}"
-            raise ValueError(f"{where}: a row without step or generated_tokens")
-    return summary, config, [row for _, row in numbered]
+            raise ValueError(f"{metrics_file}:{lineno}: a row without step or generated_tokens")
+        rows.append(row)
+    return summary, config, rows
 
 
-def check_fields(row: dict, schema: dict, where: str) -> None:
-    """ValueError naming `where` and the field, for a field of `schema` in `row` of another type
-    (null is allowed; a bool is not a number)."""
-    for key, types in schema.items():
+def check_types(row: dict, where) -> None:
+    """ValueError naming `where` and the field, for a field of another type than TYPES says (null
+    is allowed; a bool is not a number)."""
+    for key, types in TYPES.items():
         value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             want = "a number" if types is NUMBER else types.__name__
@@ -107,10 +100,8 @@ def check_fields(row: dict, schema: dict, where: str) -> None:
 
 
 def area(curve: list[tuple], budget: float) -> float | None:
-    """Mean accuracy over the first `budget` generated tokens: the trapezoid rule between evals,
-    the accuracy at the budget interpolated linearly, the initial accuracy while RLEP's phase I
-    generates (the policy is the initial one). None, never extrapolated, if the run ends short of
-    the budget or lacks a step-0 eval."""
+    """Mean accuracy over the first `budget` generated tokens by trapezoids (over RLEP's phase I,
+    the initial one); None, never extrapolated, for a run short of it or without a step-0 eval."""
     if not curve or curve[0][0] != 0 or curve[-1][1] < budget:
         return None
     total = curve[0][2] * min(curve[0][1], budget)  # phase I, before the step-0 eval
@@ -144,8 +135,8 @@ def unreached(x: float | None) -> float:
 def seed_mean_curve(runs: list[dict]) -> list[tuple]:
     """(step, step, mean accuracy, its standard error: mean se / √seeds) at every run's evals."""
     at = {}
-    for r in runs:
-        for step, _, acc, se in r["curve"]:
+    for run in runs:
+        for step, _, acc, se in run["curve"]:
             at.setdefault(step, []).append((acc, se))
     curve = []
     for step, v in sorted(at.items()):
@@ -156,9 +147,7 @@ def seed_mean_curve(runs: list[dict]) -> list[tuple]:
 
 
 def aes(L, A, L_b, A_b, alpha: float = 1.0, beta: float = 3.0, gamma: float = 5.0) -> float:
-    """O1-Pruner's accuracy-efficiency score of (length L, accuracy A) against a baseline
-    (L_b, A_b): shorter is rewarded by alpha, a gain by beta, a loss by gamma. NaN if L_b or A_b
-    is 0."""
+    """O1-Pruner's accuracy-efficiency score of length L and accuracy A against a baseline's."""
     if L_b <= 0 or A_b <= 0:
         return math.nan
     dA = (A - A_b) / A_b
@@ -166,8 +155,8 @@ def aes(L, A, L_b, A_b, alpha: float = 1.0, beta: float = 3.0, gamma: float = 5.
 
 
 def bootstrap(values: list[float], stat=statistics.median) -> tuple[float, float]:
-    """95 % percentile bootstrap interval of `stat` over `values` (seeds), linear between neighbours
-    (inf stays inf): every resample when there are ≤ 6 values, else 20,000 with a fixed seed."""
+    """95 % percentile bootstrap interval of `stat`, linear between neighbours (inf stays inf):
+    every resample of ≤ 6 values, else 20,000 with a fixed seed."""
     draws = itertools.product(values, repeat=len(values))
     if len(values) > 6:
         rng = random.Random(0)
@@ -188,7 +177,7 @@ def t_sf(t: float, df: float) -> float:
 
 
 def t_quantile(p: float, df: float) -> float:
-    """The p-quantile (p ≥ 0.5) of Student's t with `df` degrees of freedom, by bisection."""
+    """The p-quantile (p ≥ 0.5) of Student's t, by bisection."""
     lo, hi = 0.0, 1e3
     for _ in range(100):
         mid = (lo + hi) / 2
@@ -231,10 +220,8 @@ def welch_p(a: list[float], b: list[float]) -> float:
 
 
 def detectable(a: list[float], b: list[float]) -> float:
-    """The smallest difference of means that Welch's two-sided test at α = 0.05 finds with 80 %
-    power, from the samples' own SDs s and sizes n: (t_{0.975,ν} + t_{0.8,ν}) · SE, where
-    SE = √(s_a²/n_a + s_b²/n_b) and ν is Welch's degrees of freedom. This is the normal
-    approximation (z_{0.975} + z_{0.8}) · SE with t quantiles, as a few seeds estimate the SDs."""
+    """The smallest difference of means Welch's two-sided test at α = 0.05 finds with 80 % power:
+    (t_{0.975,ν} + t_{0.8,ν}) · SE, Welch's SE and ν (t quantiles: a few seeds estimate the SDs)."""
     se, df = welch(a, b)
     if not se > 0:
         return math.nan
@@ -253,69 +240,69 @@ def holm(ps: list[float]) -> list[float]:
     return adjusted
 
 
-def compare_runs(runs: list[dict], baseline: str = "none", target: float | None = None,
-                 aes_weights=(1.0, 3.0, 5.0), budget: float | None = None):
-    """(per-run rows, per-arm rows, target, budget) against the `baseline` runs, whose mean final
-    accuracy and mean total generated tokens are the default target and budget."""
-    base = [r for r in runs if r["strategy"] == baseline and r["final"] is not None]
+def compare_runs(runs: list[dict], baseline: str, target: float | None, budget: float | None):
+    """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy and
+    mean total generated tokens are the default target and budget; the runs get their figures."""
+    base = [run for run in runs if run["strategy"] == baseline and run["final"] is not None]
     if not base:
         raise ValueError(f"no run of the baseline {baseline!r} has an eval (--baseline names it)")
-    L_b, A_b, T_b = (mean([r[k] for r in base]) for k in ("length", "final", "tokens"))
+    L_b, A_b, T_b = (mean([run[k] for run in base]) for k in ("length", "final", "tokens"))
     target = A_b if target is None else target
     budget = T_b if budget is None else budget
     arms = {}
-    for r in runs:
-        r["tokens_to_target"] = sustained_crossing(r["curve"], target)
-        r["tokens_ratio"] = None
-        if r["tokens_to_target"] is not None:
-            r["tokens_ratio"] = r["tokens_to_target"] / T_b
-        by_step = [(c[0], c[0], c[2], c[3]) for c in r["curve"]]  # the same rule in steps
-        r["steps_to_target"] = sustained_crossing(by_step, target)
-        r["aes"] = math.nan
-        if r["final"] is not None and r["length"] is not None:
-            r["aes"] = aes(r["length"], r["final"], L_b, A_b, *aes_weights)
-        r["area"] = area(r["curve"], budget)
-        arms.setdefault(r["strategy"], []).append(r)
-    steps_b = unreached(sustained_crossing(seed_mean_curve(base), target))
-    summary = []
-    for name in sorted(arms, key=lambda s: (s != baseline, s)):  # the baseline first
-        summary.append(arm_row(name, arms[name], base, steps_b, name != baseline))
+    for run in runs:
+        crossing = sustained_crossing(run["curve"], target)
+        run["tokens_to_target"] = crossing
+        run["tokens_ratio"] = None if crossing is None else crossing / T_b
+        by_step = [(c[0], c[0], c[2], c[3]) for c in run["curve"]]  # the same rule in steps
+        run["steps_to_target"] = sustained_crossing(by_step, target)
+        run["aes"] = math.nan
+        if run["final"] is not None and run["length"] is not None:
+            run["aes"] = aes(run["length"], run["final"], L_b, A_b)
+        run["area"] = area(run["curve"], budget)
+        arms.setdefault(run["strategy"], []).append(run)
+    crossing = sustained_crossing(seed_mean_curve(base), target)
+    steps_b = unreached(crossing) or math.nan  # a baseline at the target from step 0: no ratio
+    table = [arm_row(baseline, arms.pop(baseline), base, steps_b, tested=False)]
+    for name in sorted(arms):
+        table.append(arm_row(name, arms[name], base, steps_b, tested=True))
     for key in ("area_p", "p_vs_base"):
-        for s, p in zip(summary, holm([s[key] for s in summary])):
-            s[key + "_holm"] = p
-    for s in summary:
-        s["verdict"] = "undecided" if s["strategy"] != baseline else "baseline"
-        if s["area_p_holm"] < 0.05:  # (never for NaN)
-            s["verdict"] = "better" if s["area_diff"] > 0 else "worse"
-    return runs, summary, target, budget
+        for row, p in zip(table, holm([row[key] for row in table])):
+            row[key + "_holm"] = p
+    table[0]["verdict"] = "baseline"
+    for row in table[1:]:
+        row["verdict"] = "undecided"
+        if row["area_p_holm"] < 0.05:  # (never for NaN)
+            row["verdict"] = "better" if row["area_diff"] > 0 else "worse"
+    return table, target, budget
 
 
-def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, other: bool) -> dict:
-    """One arm's row of the table, tested against the baseline's runs `base` if `other`."""
-    acc = [r["final"] for r in runs if r["final"] is not None]
-    areas = [r["area"] for r in runs if r["area"] is not None]
-    base_areas = [r["area"] for r in base if r["area"] is not None]
-    ratios = [unreached(r["tokens_ratio"]) for r in runs]
-    steps = [unreached(r["steps_to_target"]) / steps_b if steps_b > 0 else math.nan for r in runs]
-    aes_v = [r["aes"] for r in runs if not math.isnan(r["aes"])]
-    entropy = [r["entropy"] for r in runs]
+def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, tested: bool) -> dict:
+    """One arm's row of the table, tested against the baseline's runs `base` if `tested`."""
+    acc = [run["final"] for run in runs if run["final"] is not None]
+    areas = [run["area"] for run in runs if run["area"] is not None]
+    base_areas = [run["area"] for run in base if run["area"] is not None]
+    ratios = [unreached(run["tokens_ratio"]) for run in runs]
+    steps = [unreached(run["steps_to_target"]) / steps_b for run in runs]
+    aes_v = [run["aes"] for run in runs if not math.isnan(run["aes"])]
+    entropy = [run["entropy"] for run in runs]
     return {"strategy": name, "seeds": len(runs), "area_n": len(areas), "area_mean": mean(areas),
             "area_ci": mean_interval(areas),
-            "area_diff": mean(areas) - mean(base_areas) if other else math.nan,
-            "area_p": welch_p(areas, base_areas) if other else math.nan,
-            "detectable": detectable(areas, base_areas) if other else math.nan,
+            "area_diff": mean(areas) - mean(base_areas) if tested else math.nan,
+            "area_p": welch_p(areas, base_areas) if tested else math.nan,
+            "detectable": detectable(areas, base_areas) if tested else math.nan,
             "acc_mean": mean(acc), "acc_ci": mean_interval(acc),
-            "p_vs_base": welch_p(acc, [r["final"] for r in base]) if other else math.nan,
+            "p_vs_base": welch_p(acc, [run["final"] for run in base]) if tested else math.nan,
             "ratios": ratios, "ratio_median": statistics.median(ratios),
             "ratio_ci": bootstrap(ratios), "reached": sum(math.isfinite(x) for x in ratios),
             "steps_ratio": statistics.median(steps), "steps_ratio_ci": bootstrap(steps),
             "aes_mean": mean(aes_v),
             "aes_ci": bootstrap(aes_v, statistics.fmean) if aes_v else (math.nan, math.nan),
             "entropy": math.nan if None in entropy else mean(entropy),
-            "tokens": mean([r["tokens"] for r in runs])}
+            "tokens": mean([run["tokens"] for run in runs])}
 
 
-def compare_table(summary: list[dict], target: float, budget: float, baseline: str = "none") -> str:
+def compare_table(table: list[dict], target: float, budget: float, baseline: str) -> str:
     """The markdown table: the area, final accuracy, then the secondary columns."""
     crossing = f"tokens to {100 * target:.1f}% ÷ {baseline}'s: median (95% CI) [per seed]"
     columns = ["strategy", "seeds", f"area to {budget:,.0f} tokens % (95% CI) [runs]", "Δ pp",
@@ -323,27 +310,27 @@ def compare_table(summary: list[dict], target: float, budget: float, baseline: s
                "p", "Holm p", crossing, "reached", f"steps to it ÷ {baseline}'s (95% CI)",
                "AES (95% CI)", "eval entropy", "tokens generated"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
-    for s in summary:
-        ratio = "never reached" if math.isinf(s["ratio_median"]) else f"{s['ratio_median']:.2f}"
-        seeds = " / ".join("–" if math.isinf(x) else f"{x:.2f}" for x in s["ratios"])
-        area_ci = interval(*s["area_ci"], 100, ".1f")
-        cells = [s["strategy"], s["seeds"],
-                 f"{100 * s['area_mean']:.1f} ({area_ci}) [{s['area_n']}]",
-                 num(s["area_diff"], "+.1f", 100), num(s["area_p"]), num(s["area_p_holm"]),
-                 s["verdict"], num(s["detectable"], ".1f", 100),
-                 f"{100 * s['acc_mean']:.1f} ({interval(*s['acc_ci'], 100, '.1f')})",
-                 num(s["p_vs_base"]), num(s["p_vs_base_holm"]),
-                 f"{ratio} ({interval(*s['ratio_ci'])}) [{seeds}]",
-                 f"{s['reached']}/{s['seeds']}",
-                 f"{s['steps_ratio']:.2f} ({interval(*s['steps_ratio_ci'])})",
-                 f"{s['aes_mean']:.3f} ({interval(*s['aes_ci'], fmt='.3f')})",
-                 f"{s['entropy']:.3f}", f"{s['tokens']:.3g}"]
+    for row in table:
+        ratio = "never reached" if math.isinf(row["ratio_median"]) else f"{row['ratio_median']:.2f}"
+        seeds = " / ".join("–" if math.isinf(x) else f"{x:.2f}" for x in row["ratios"])
+        cells = [row["strategy"], row["seeds"],
+                 f"{100 * row['area_mean']:.1f} ({interval(row['area_ci'], 100, '.1f')}) "
+                 f"[{row['area_n']}]",
+                 num(row["area_diff"], "+.1f", 100), num(row["area_p"]), num(row["area_p_holm"]),
+                 row["verdict"], num(row["detectable"], ".1f", 100),
+                 f"{100 * row['acc_mean']:.1f} ({interval(row['acc_ci'], 100, '.1f')})",
+                 num(row["p_vs_base"]), num(row["p_vs_base_holm"]),
+                 f"{ratio} ({interval(row['ratio_ci'])}) [{seeds}]",
+                 f"{row['reached']}/{row['seeds']}",
+                 f"{row['steps_ratio']:.2f} ({interval(row['steps_ratio_ci'])})",
+                 f"{row['aes_mean']:.3f} ({interval(row['aes_ci'], fmt='.3f')})",
+                 f"{row['entropy']:.3f}", f"{row['tokens']:.3g}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
-def interval(lo: float, hi: float, scale: float = 1.0, fmt: str = ".2f") -> str:
-    return "–".join("∞" if math.isinf(x) else f"{scale * x:{fmt}}" for x in (lo, hi))
+def interval(bounds: tuple[float, float], scale: float = 1.0, fmt: str = ".2f") -> str:
+    return "–".join("∞" if math.isinf(x) else f"{scale * x:{fmt}}" for x in bounds)
 
 
 def num(x: float, fmt: str = ".2g", scale: float = 1.0) -> str:
@@ -360,28 +347,25 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                     "the baseline's mean final accuracy)")
     ap.add_argument("--budget", type=float, help="generated tokens the area covers (default: the "
                     "baseline's mean total)")
-    ap.add_argument("--aes-weights", type=float, nargs=3, default=[1.0, 3.0, 5.0],
-                    metavar=("A", "B", "G"), help="AES's length, gain and loss weights")
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:
         if args.budget is not None and not args.budget > 0:
             raise ValueError(f"--budget must be > 0, got {args.budget}")
         runs = []
-        for d in args.runs:
-            label, sep, folder = d.partition("=")
+        for arg in args.runs:
+            label, sep, folder = arg.partition("=")
             if sep and "/" not in label:  # LABEL=RUN_DIR names the arm
                 runs.append(load_run(folder) | {"strategy": label})
             else:
-                runs.append(load_run(d))
-        rows, summary, target, budget = compare_runs(runs, args.baseline, args.target,
-                                                     args.aes_weights, args.budget)
-        print(compare_table(summary, target, budget, args.baseline))
-        short = [r["path"] for r in rows if r["area"] is None]
+                runs.append(load_run(arg))
+        table, target, budget = compare_runs(runs, args.baseline, args.target, args.budget)
+        print(compare_table(table, target, budget, args.baseline))
+        short = [run["path"] for run in runs if run["area"] is None]
         if short:
             print(f"\nnot in the area (short of the {budget:,.0f}-token budget, which --budget "
                   f"sets, or no step-0 eval): {', '.join(short)}")
-        write(Path(args.out_dir), rows, {"target": target, "budget": budget, "strategies": summary})
+        write(Path(args.out_dir), runs, {"target": target, "budget": budget, "strategies": table})
     except (OSError, ValueError) as e:
         if args.debug:
             raise
@@ -389,14 +373,14 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         raise SystemExit(2) from None
 
 
-def write(out: Path, rows: list[dict], result: dict) -> None:
+def write(out: Path, runs: list[dict], result: dict) -> None:
     """compare.csv (per run; the area blank where left out) and compare.json (per arm, per run)."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "compare.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
-    (out / "compare.json").write_text(json.dumps(result | {"runs": rows}, indent=1))
+        writer.writerows(runs)
+    (out / "compare.json").write_text(json.dumps(result | {"runs": runs}, indent=1))
     print(f"\nwrote {out / 'compare.csv'} and {out / 'compare.json'}")
 
 
