@@ -1,4 +1,4 @@
-"""Time rewards.py against math-verify on the MATH-500 (gold answer, reference solution) pairs, in one process.
+"""Time rewards.py against math-verify on MATH-500 (gold answer, solution) pairs, in one process.
 
 Usage:
   pip install -r bench/requirements.txt          # math-verify: only this comparison needs it
@@ -7,11 +7,12 @@ Usage:
 
 Two workloads, each run through both verifiers:
   matched    gold answer i vs solution i: every pair is equal (the README's 500/500 sanity figure);
-  shifted    gold answer i vs solution i+1: almost every pair differs, so rewards.py sends ~40% of them to
-             its worker processes. This is closer to RL, where most sampled answers are wrong.
-rewards.py is timed through score_batch (what train.py and eval.py call) with its worker pool already
-started; math-verify through parse + verify per pair, gold wrapped in $...$ as its README advises for
-LaTeX answers. The best of --repeat runs is reported for both. Without math-verify only rewards.py is timed.
+  shifted    gold answer i vs solution i+1: almost every pair differs, so rewards.py sends ~40% of
+             them to its worker processes: closer to RL, where most sampled answers are wrong.
+rewards.py is timed through score_batch (what train.py and eval.py call) with its worker pool
+already started; math-verify through parse + verify per pair, gold wrapped in $...$ as its README
+advises for LaTeX answers. The best of --repeat runs is reported for both. Without math-verify only
+rewards.py is timed.
 """
 
 import argparse
@@ -46,12 +47,16 @@ def time_math_verify(solutions, golds, repeat):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    default = Path(os.environ.get("SHARED_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    parser.add_argument("--data", type=Path, default=default, help="shared data folder (holds benchmarks/)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per verifier and workload; best is kept")
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
+    default = Path(os.environ.get("SHARED_DATA_DIR", shared))
+    parser.add_argument("--data", type=Path, default=default,
+                        help="shared data folder (holds benchmarks/)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed runs per verifier and workload; best is kept")
     args = parser.parse_args()
 
-    rows = [json.loads(line) for line in (args.data / "benchmarks" / "math500_test.jsonl").read_text().splitlines()]
+    lines = (args.data / "benchmarks" / "math500_test.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     golds = [r["answer"] for r in rows]
     workloads = {"matched": [r["solution"] for r in rows],
                  "shifted": [rows[(i + 1) % len(rows)]["solution"] for i in range(len(rows))]}
@@ -60,13 +65,15 @@ def main():
         have_mv = True
     except ImportError:
         have_mv = False
-        print("math-verify is not installed (pip install -r bench/requirements.txt): timing rewards.py alone")
+        print("math-verify is not installed (pip install -r bench/requirements.txt): "
+              "timing rewards.py alone")
 
     t0 = time.perf_counter()
-    score_batch(["\\boxed{x+1}"], ["1+x"], RewardConfig())  # start the worker pool outside the timings
+    # start the worker pool outside the timings
+    score_batch(["\\boxed{x+1}"], ["1+x"], RewardConfig())
     print(f"worker pool start-up (once per process): {time.perf_counter() - t0:.2f} s")
     if have_mv:
-        time_math_verify(workloads["matched"][:5], golds[:5], 1)  # import and warm up its caches too
+        time_math_verify(workloads["matched"][:5], golds[:5], 1)  # import, warm up its caches
 
     for name, solutions in workloads.items():
         n = len(solutions)
