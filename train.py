@@ -23,13 +23,10 @@ completed step and exits 143; --resume redoes the abandoned work exactly (loop()
 from __future__ import annotations
 
 import datetime
-import fcntl
 import json
 import math
 import os
-import pickle
 import random
-import shutil
 import signal
 import sys
 import time
@@ -39,17 +36,29 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import grpo
 import lora
 import vllm_engine
+from checkpoint import (
+    RunError,
+    aside,
+    check_out_dir,
+    checkpoints,
+    claim_out_dir,
+    drop_aside,
+    find_checkpoint,
+    intact,
+    oneline,
+    put_back,
+    restore,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    write_file,
+)
 from config import (
     Config,
     ConfigError,
@@ -71,7 +80,6 @@ from rollout import (
     Rollouts,
     build_prompts,
     end_ids,
-    fsync,
     full_weights,
     generate,
     load_policy,
@@ -79,23 +87,6 @@ from rollout import (
     save_model,
     template_warnings,
 )
-
-RUN_FILES = {".run", ".lock", ".overwritten", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final",
-             "wandb", "eval"}  # what runs write in out_dir: all --overwrite may set aside
-RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint.", "reward.workers", "reward.timeout",
-             "reward.batch_budget", "model.gradient_checkpointing", "model.compile", "model.device",
-             "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size",
-             "rollout.vllm_")  # may change on --resume
-MAX = dist.ReduceOp.MAX
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's host
-
-
-class RunError(Exception):
-    """Bad input, or a failed read or write, found while running: one line, exit 2."""
-
-
-def oneline(e: Exception, n: int = 300) -> str:
-    return " ".join(str(e).split())[:n]
 
 
 def main(argv: list[str]) -> int:
@@ -113,225 +104,6 @@ def main(argv: list[str]) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-# --------------------------------------------------------------------------------- the run's folder and checkpoints
-
-
-def check_out_dir(out: Path, resume: str | None, overwrite: bool) -> None:
-    """Refuse, before anything is created or deleted, an out_dir this run may not use."""
-    if out.exists() and not out.is_dir():
-        raise RunError(f"out_dir {out} is a file")
-    names = {p.name for p in out.iterdir()} - {".lock"} if out.is_dir() else set()
-    if names and (not (out / ".run").is_file() or names - RUN_FILES):
-        strange = ", ".join(sorted(names - RUN_FILES)[:3]) or "no .run marker"
-        raise RunError(f"out_dir {out} holds files no run wrote ({strange}); choose another out_dir")
-    log = out / "metrics.jsonl"
-    if resume is not None and log.exists() and not log.is_file():  # --resume reads it back
-        raise RunError(f"{log} is not a regular file")
-    if names and resume is None and not overwrite:
-        raise RunError(f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over")
-    if overwrite and (out / ".overwritten").exists():
-        raise RunError(f"{out}/.overwritten holds a run an interrupted --overwrite set aside; move it back or delete")
-
-
-def claim_out_dir(out: Path, overwrite: bool):
-    """Create out_dir, lock it (the lock dies with the process), mark it as a run's, and move an overwritten run into
-    .overwritten/ (deleted after the new run's first step, put back if it fails before)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "a+")  # noqa: SIM115 -- held while the run lives
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            raise RunError(f"out_dir {out} is in use by another run (pid {lock.read().strip() or '?'})") from None
-        lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
-        for p in [p for p in out.iterdir() if p.name in RUN_FILES - {".run", ".lock"}] if overwrite else []:
-            (out / ".overwritten").mkdir(exist_ok=True)
-            os.replace(p, out / ".overwritten" / p.name)
-        if not (out / ".run").exists():
-            (out / ".run").write_text(json.dumps({"created": time.time()}) + "\n")
-        return lock
-    except OSError as e:
-        raise RunError(f"out_dir {out} is not writable: {e.strerror or e}") from None
-
-
-def restore_overwritten(out: Path) -> None:
-    for p in [p for p in out.iterdir() if p.name in RUN_FILES - {".run", ".lock", ".overwritten"}]:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    for p in (out / ".overwritten").iterdir():
-        os.replace(p, out / p.name)
-    (out / ".overwritten").rmdir()
-
-
-def write_file(path: Path, text: str) -> None:
-    """Replace `path` by `text` atomically: a temporary file, fsync'ed, renamed, the folder fsync'ed."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    try:
-        tmp.write_text(text)
-        fsync(tmp), os.replace(tmp, path), fsync(path.parent)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise RunError(f"{path} could not be written ({e.strerror or e}); the previous version is intact") from None
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints, oldest first: a folder is named step_N only once everything in it is on disk."""
-    return sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir())
-
-
-def save(model, tokenizer, folder: Path, state: dict | None = None, optimizer: dict | None = None,
-         dtype: torch.dtype | None = None) -> None:
-    """rollout.save_model; a failure (a full disk, on any rank) is one line naming the newest intact
-    checkpoint."""
-    try:
-        save_model(model, tokenizer, folder, state, optimizer, dtype)
-    except OSError as e:
-        intact = checkpoints(folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent)
-        where = f"{intact[-1]} is intact: free space, then --resume" if intact else "no checkpoint is intact"
-        raise RunError(f"{e}; {where}") from None
-
-
-def save_checkpoint(r: Run) -> None:
-    """checkpoints/step_N: the model; optimizer.pt, the whole optimizer state by parameter name
-    (rank 0 writes it); per rank the run's progress, its replay buffer and RNG streams. Any number
-    of processes resumes it."""
-    state = {"replay": r.replay.state_dict(), "rng": rng_state(), "world": r.world,
-             "run": {**r.progress, "config": flat_dict(r.cfg)}}
-    folder = r.out / "checkpoints" / f"step_{r.progress['step']:06d}"
-    save(r.model, r.tokenizer, folder, state, optimizer_state(r))
-    for old in checkpoints(r.out)[: -r.cfg.checkpoint.keep_last] if r.rank == 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def optimizer_state(r: Run) -> dict | None:
-    """The whole optimizer state keyed by parameter name, gathered from every rank's shards onto
-    rank 0's host ({} on the others), so any number of processes loads it. None before the first
-    optimizer step: torch's helper would take a zero step to create state, which shifts AdamW's bias
-    correction."""
-    if not all_ranks(float(bool(r.optimizer.state)), MAX):
-        return None
-    return get_optimizer_state_dict(r.model, r.optimizer, options=FULL)
-
-
-def load_optimizer(r: Run, ck: Path) -> None:
-    """optimizer.pt into the optimizer: rank 0 reads it, torch's helper sends every rank its part
-    (FSDP: its shards). No file: saved before the first optimizer step."""
-    if not (ck / "optimizer.pt").is_file():
-        return
-    full, error = {}, ""
-    if r.rank == 0:
-        try:
-            full = torch.load(ck / "optimizer.pt", weights_only=True)
-        except Exception as e:  # noqa: BLE001 -- truncated, empty or foreign: refused on every rank
-            error = f"{type(e).__name__}: {oneline(e, 120)}"
-    if all_ranks(float(bool(error)), MAX):
-        raise RunError(f"checkpoint {ck.name}: optimizer.pt is damaged ({error or 'on rank 0'})")
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
-    set_optimizer_state_dict(r.model, r.optimizer, optim_state_dict=full, options=options)
-
-
-def trainer_state(path: Path) -> dict:
-    """One state_rank{r}.pt (tensors and plain values only)."""
-    state = torch.load(path, weights_only=True)
-    if not isinstance(state, dict) or not {"rng", "replay", "world", "run"} <= set(state):
-        raise ValueError("trainer state without its keys")
-    return state
-
-
-def read_state(ck: Path, rank: int) -> dict:
-    """This rank's trainer state from checkpoint `ck`, its weights checked whole. A rank the saving
-    run did not have reads rank 0's (restore then re-splits the buffers)."""
-    from safetensors import safe_open
-
-    try:
-        for f in ck.iterdir():  # a FIFO among them would block torch.load or safe_open forever
-            if not (f.is_file() or f.is_dir()):
-                raise ValueError(f"{f.name} is not a regular file")
-        state = trainer_state(ck / "state_rank0.pt")
-        if 0 < rank < state["world"]:
-            state = trainer_state(ck / f"state_rank{rank}.pt")
-        for f in sorted(ck.glob("*.safetensors")) or [ck / "model.safetensors"]:
-            with safe_open(f, "pt") as st:  # a truncated file fails here: its header promises more than there is
-                list(st.keys())
-        return state
-    except pickle.UnpicklingError:
-        raise RunError(f"checkpoint {ck.name}: holds objects other than tensors and plain values; refusing to "
-                       "unpickle them") from None
-    except Exception as e:  # noqa: BLE001 -- missing, truncated, empty or foreign: all "damaged"
-        raise RunError(f"checkpoint {ck.name} is damaged ({type(e).__name__}: {oneline(e, 120)})") from None
-
-
-def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
-    """The checkpoint to resume ("": the newest, or a step_N name) and this rank's state; a damaged one is one line
-    naming the newest intact checkpoint before it."""
-    found = checkpoints(out)
-    if not found:
-        hint = "; an interrupted --overwrite left the previous run in .overwritten/" * (out / ".overwritten").is_dir()
-        raise RunError(f"--resume: no complete checkpoint in {out / 'checkpoints'}{hint}")
-    ck = out / "checkpoints" / which if which else found[-1]
-    try:
-        return ck, read_state(ck, rank)
-    except RunError as e:
-        for older in reversed([p for p in found if p.name < ck.name]):
-            try:
-                read_state(older, rank)
-            except RunError:
-                continue
-            raise RunError(f"{e}; the newest intact one is {older.name}: --resume={older.name}") from None
-        raise RunError(f"{e}; no older checkpoint is intact") from None
-
-
-def restore(r: Run, ck: Path, state: dict) -> None:
-    """Continue the run saved in `ck` (its weights are loaded already): optimizer, buffer, RNG
-    streams, progress. Saved by another number of processes: the buffers are merged and re-split
-    (Replay.load_split) and every RNG stream restarts from (seed, rank, step), so the run continues
-    from the same weights and optimizer state but samples differently than it would have."""
-    saved, step, world = state["run"]["config"], state["run"]["step"], state["world"]
-    changed = sorted(k for k, v in flat_dict(r.cfg).items() if k in saved and saved[k] != v)
-    if refused := [k for k in changed if not k.startswith(RESUMABLE)]:
-        raise RunError(f"--resume: {', '.join(refused)} differ from the checkpoint's and change what its state means")
-    if r.cfg.max_steps < step:
-        raise RunError(f"--resume: max_steps ({r.cfg.max_steps}) is below the checkpoint's step ({step})")
-    if all_ranks(step, MAX) != all_ranks(step, dist.ReduceOp.MIN):  # ranks that disagree would deadlock later
-        raise RunError(f"checkpoint {ck.name}: its per-rank state files are of different steps")
-    seed = r.cfg.seed + 7919 * step  # a new stream per step; ranks apart as at the start (+ rank)
-    try:
-        load_optimizer(r, ck)
-        if world == r.world:
-            r.replay.load_state_dict(state["replay"])
-        else:
-            parts = [trainer_state(ck / f"state_rank{i}.pt")["replay"] for i in range(world)]
-            r.replay.load_split(parts, r.rank, r.world, seed + r.rank)
-    except (ValueError, KeyError, RuntimeError, TypeError) as e:
-        raise RunError(f"checkpoint {ck.name} does not fit this run ({oneline(e, 200)})") from None
-    if world == r.world:
-        set_rng_state(state["rng"])
-    else:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed + r.rank)
-    r.progress |= {k: v for k, v in state["run"].items() if k != "config"}
-    if r.rank == 0:
-        note = f"; changed: {', '.join(changed)}" * bool(changed)
-        note += f"; saved by {world} processes: buffers re-split, RNG reseeded" * (world != r.world)
-        print(f"resuming from {ck} (step {step}){note}", file=sys.stderr)
-
-
-def rng_state() -> dict:
-    """Every global RNG as tuples, lists and tensors: the checkpoint then loads with torch.load(weights_only=True)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    s = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-         "torch": torch.get_rng_state()}
-    return s | ({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
-
-
-def set_rng_state(s: dict) -> None:
-    random.setstate(s["python"])
-    np.random.set_state((s["numpy"][0], np.array(s["numpy"][1], dtype=np.uint32), *s["numpy"][2:]))
-    torch.set_rng_state(s["torch"])
-    torch.cuda.set_rng_state_all(s["cuda"]) if "cuda" in s and torch.cuda.is_available() else None
 
 
 # -------------------------------------------------------------------------------------------------------- set-up
@@ -382,7 +154,7 @@ def backend_map(device_type: str) -> str:
 
 
 def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
-    """Check the folder, load data and model, restore a checkpoint; only then claim out_dir."""
+    """Check the folder, load data and model, restore a checkpoint (train() then claims out_dir)."""
     if "LOCAL_RANK" in os.environ and not dist.is_initialized():  # torchrun, even of one process
         gpu = torch.cuda.is_available()
         if gpu:
@@ -390,7 +162,7 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
         backend = backend_map("cuda" if gpu else "cpu")
         dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    out = Path(cfg.out_dir)
+    out = Path(os.path.abspath(cfg.out_dir))  # absolute: --overwrite may rename the current folder
     check_out_dir(out, resume, overwrite)
     if (n_prompts := cfg.rollout.batch_size // cfg.rollout.group_size) % world:
         raise RunError(f"prompts per step ({n_prompts}) must be divisible by the number of processes ({world})")
@@ -441,11 +213,8 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
         r.progress["source_tokens"] = replay.start(problems, prompts, tokenizer, cfg, lambda rows: row_entropy(r, rows))
     except (ValueError, OSError) as e:
         raise RunError(f"replay: {oneline(e)}") from None
-    restore(r, ck, state) if ck else None
-    if rank == 0:
-        r.lock = claim_out_dir(out, overwrite)
-        r.log = open_log(r, ck is not None)
-    dist.barrier() if dist.is_initialized() else None
+    if ck:
+        restore(ck, state, cfg, model, optimizer, replay, r.progress)
     return r
 
 
@@ -569,10 +338,17 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
     STOP.install()  # a signal is a request from here on (during set-up too)
     r = setup(cfg, resume, overwrite)
     try:
+        if r.rank == 0:  # only now, everything loaded and checked, is out_dir claimed
+            r.lock = claim_out_dir(r.out, overwrite)
+            r.log = open_log(r, resume is not None)
+        if dist.is_initialized():
+            dist.barrier()
         return finish(r, loop(r))
     except BaseException as e:
-        if r.rank == 0 and (r.out / ".overwritten").is_dir():  # failed before its first step: the old run comes back
-            restore_overwritten(r.out)
+        if r.lock is not None and aside(r.out).is_dir():  # failed before its first step
+            put_back(r.out)
+        if isinstance(e, OSError):  # a failed write (a full disk): one line, what is intact
+            raise RunError(f"{oneline(e)}; {intact(r.out)}") from None
         if isinstance(e, FloatingPointError):
             last = checkpoints(r.out)
             good = f"{last[-1].name}: --resume={last[-1].name} with a lower lr" if last else "none"
@@ -639,9 +415,9 @@ def loop(r: Run) -> int:
         except Interrupted:  # the step is done: the checkpoint keeps its line for --resume
             break
         if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.max_steps):
-            save_checkpoint(r)
-        if r.rank == 0 and (r.out / ".overwritten").is_dir():  # the new run has a step: the old one can go
-            shutil.rmtree(r.out / ".overwritten")
+            save_checkpoint(r.out, cfg, r.model, r.tokenizer, r.optimizer, r.replay, p)
+        if r.rank == 0:
+            drop_aside(r.out)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", eval=f"{p['eval_last'].get('accuracy', math.nan):.3f}")
         if STOP.agreed():
             break
@@ -752,11 +528,8 @@ def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, s
 
 def write_row(r: Run, row: dict) -> None:
     if r.rank == 0:
-        try:
-            r.log.write(json.dumps(row) + "\n"), r.log.flush()
-        except OSError as e:
-            raise RunError(f"{r.out / 'metrics.jsonl'} could not be written ({e.strerror}); checkpoints are intact") \
-                from None
+        r.log.write(json.dumps(row) + "\n")
+        r.log.flush()
         r.wandb.log(row, step=row["step"]) if r.wandb else None
 
 
@@ -764,14 +537,14 @@ def finish(r: Run, signum: int) -> int:
     """After the loop: on SIGTERM a checkpoint, on SIGINT a note where to resume; otherwise final/ and summary.json."""
     p, last = r.progress, checkpoints(r.out)
     if signum == signal.SIGTERM and not (last and last[-1].name == f"step_{p['step']:06d}"):
-        save_checkpoint(r)
+        save_checkpoint(r.out, r.cfg, r.model, r.tokenizer, r.optimizer, r.replay, p)
     if signum:
         where = f"--resume continues from {checkpoints(r.out)[-1].name}" if checkpoints(r.out) else "no checkpoint yet"
         if p["pending_row"] and signum == signal.SIGTERM:
             where += f" (with the eval of step {p['step']}, cut short)"
         print(f"\nstopped by {signal.Signals(signum).name} after step {p['step']}; {where}", file=sys.stderr)
         return 128 + signum
-    save(r.model, r.tokenizer, r.out / "final", dtype=getattr(torch, r.cfg.model.compute_dtype))
+    save_model(r.model, r.tokenizer, r.out / "final", dtype=getattr(torch, r.cfg.model.compute_dtype))
     if r.rank == 0:
         ev0, ev1 = p["eval_initial"], p["eval_last"]
         summary = {"strategy": r.cfg.replay.strategy, "seed": r.cfg.seed, "steps": r.cfg.max_steps,
@@ -781,7 +554,7 @@ def finish(r: Run, signum: int) -> int:
                    "tokens_generated_total": p["generated_tokens"] + p["source_tokens"], "wall_seconds": p["wall"],
                    "skipped_updates": p["skipped"]}
         write_file(r.out / "summary.json", json.dumps(summary, indent=2) + "\n")
-        shutil.rmtree(r.out / ".overwritten") if (r.out / ".overwritten").is_dir() else None  # a run of 0 steps
+        drop_aside(r.out)  # a run of 0 steps
         r.wandb.summary.update(summary) if r.wandb else None
         r.wandb.finish() if r.wandb else None
     return 0

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,9 +89,9 @@ def worker(opts: dict, args: list[str]) -> None:
     if "probe" in opts:
         restore = train.restore
 
-        def probed(r, ck, state):
-            restore(r, ck, state)
-            probe(r, Path(opts["probe"]))
+        def probed(ck, state, cfg, model, optimizer, replay, progress):
+            restore(ck, state, cfg, model, optimizer, replay, progress)
+            probe(model, optimizer, replay, Path(opts["probe"]))
 
         train.restore = probed
     if "loads" in opts:
@@ -118,18 +119,19 @@ def count_loads(out: Path) -> None:
     atexit.register(write)
 
 
-def probe(r, out: Path) -> None:
+def probe(model, optimizer, replay, out: Path) -> None:
     """Right after restore: rank 0 writes the whole weights and optimizer state (gathered as a
     checkpoint gathers them); every rank its buffer's stored rows (prompt, birth step, tokens) and
     its RNG state."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    weights = get_model_state_dict(r.model, options=train.FULL)
-    optim = train.optimizer_state(r)
-    if r.rank == 0:
+    weights = get_model_state_dict(model, options=checkpoint.FULL)
+    optim = checkpoint.optimizer_state(model, optimizer)
+    rank = dist.get_rank()
+    if rank == 0:
         torch.save({"weights": weights, "optimizer": optim}, out / "restored.pt")
-    rows = replay_rows(r.replay.state_dict())
-    (out / f"rows{r.rank}.json").write_text(json.dumps({"rows": rows, "rng": torch.rand(1).item()}))
+    rows = replay_rows(replay.state_dict())
+    (out / f"rows{rank}.json").write_text(json.dumps({"rows": rows, "rng": torch.rand(1).item()}))
 
 
 def replay_rows(d: dict) -> list:

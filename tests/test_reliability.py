@@ -26,10 +26,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+import checkpoint
 import train
 from config import load_config, validate
 from replay import ReplayConfig, make_replay
-from rollout import Rollouts, load_model
+from rollout import Rollouts, load_model, save_model
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = Path(os.environ.get("TINY_MODEL", REPO / "data" / "tiny_model"))
@@ -255,18 +256,18 @@ FULL_DISK = {"SafetensorError": SafetensorError("Error while serializing: IoErro
 def test_full_disk_during_a_checkpoint_is_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch, tiny, writer, error):
     model, tok = tiny
     ck = tmp_path / "checkpoints"
-    train.save(model, tok, ck / "step_000002", {"step": 2})
+    save_model(model, tok, ck / "step_000002", {"step": 2})
 
     def full_disk(*args, **kwargs):
         raise FULL_DISK[error]
 
     target = ("transformers.modeling_utils.safe_save_file" if writer == "weights" else "torch.save")
     monkeypatch.setattr(target, full_disk)
-    with pytest.raises(train.RunError) as e:
-        train.save(model, tok, ck / "step_000004", {"step": 4})
-    msg = str(e.value)
-    assert "\n" not in msg and f"{ck / 'step_000004'} could not be written ({error}" in msg
-    assert f"{ck / 'step_000002'} is intact" in msg
+    with pytest.raises(OSError) as e:  # train() turns it into one line naming what is intact
+        save_model(model, tok, ck / "step_000004", {"step": 4})
+    msg = checkpoint.oneline(e.value)
+    assert f"{ck / 'step_000004'} could not be written ({error}" in msg
+    assert f"{ck / 'step_000002'} is intact" in checkpoint.intact(tmp_path)
     assert sorted(p.name for p in ck.iterdir()) == ["step_000002"]  # the temporary folder is gone
     assert (ck / "step_000002" / "model.safetensors").stat().st_size > 0
 
@@ -290,7 +291,7 @@ def test_checkpoint_files_are_fsynced_before_the_rename(tmp_path, monkeypatch, t
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
     monkeypatch.setattr(os, "replace", lambda a, b: renamed.append((str(a), len(synced))) or real_replace(a, b))
-    train.save(model, tok, tmp_path / "step_000001", {"step": 1})
+    save_model(model, tok, tmp_path / "step_000001", {"step": 1})
     (_, n_synced_before), = [x for x in renamed if x[0].endswith(".tmp_step_000001")]
     files = {p.name for p in (tmp_path / "step_000001").iterdir()}
     assert {"model.safetensors", "state_rank0.pt", "config.json"} <= files
@@ -527,7 +528,7 @@ def test_overwrite_sets_the_old_run_aside_until_the_first_step(tmp_path, capsys,
     real_update = train.grpo.update_policy
 
     def check_old_run_is_aside(*args, **kwargs):
-        assert (out / ".overwritten" / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+        assert (tmp_path / "run.overwritten" / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
         return fail_in_step()
 
     monkeypatch.setattr(train.grpo, "update_policy", check_old_run_is_aside)
@@ -536,7 +537,7 @@ def test_overwrite_sets_the_old_run_aside_until_the_first_step(tmp_path, capsys,
     assert snapshot(out) == before | {".lock": snapshot(out)[".lock"]}  # the old run is back, as it was
     monkeypatch.setattr(train.grpo, "update_policy", real_update)
     assert train.main(TINY + [f"--out_dir={out}", "--overwrite", "--max_steps=2"]) == 0
-    assert not (out / ".overwritten").exists()
+    assert not (tmp_path / "run.overwritten").exists()
     assert (out / "checkpoints" / "step_000002" / "state_rank0.pt").read_bytes() != b"weights of a week-long run"
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
