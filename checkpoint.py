@@ -82,7 +82,7 @@ def claim_out_dir(out: Path, overwrite: bool):
     """Create out_dir, lock it, mark it as a run's; --overwrite first renames the old run aside."""
     try:
         lock = lock_folder(out)
-        if overwrite:
+        if overwrite and (out / ".run").exists():  # a previous run: renamed aside whole, locked
             os.replace(out, aside(out))
             lock.close()
             lock = lock_folder(out)
