@@ -93,8 +93,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: 
 
 
 def record(ro, texts: list[str], rows: range, correct, gold, reward_cfg, keep: bool) -> dict:
-    """One prompt's record from its `rows` of the batch; with `keep` its completions, their token
-    ids and behaviour log-probs too."""
+    """One prompt's record from its `rows` of the batch (`keep`: its completions' tokens too)."""
     fallback = reward_cfg.last_number_fallback
     rec = {"gold": gold, "correct": [bool(correct[i]) for i in rows],
            "answers": [rewards.extract_answer(texts[i], fallback) for i in rows],
@@ -216,8 +215,7 @@ def load_benchmarks(args) -> dict[str, list[Problem]]:
 
 
 def load(args, benchmarks: dict, dtype) -> tuple:
-    """(model, tokenizer, end-of-completion ids, prompt ids per benchmark); what fails is
-    BadInput."""
+    """(model, tokenizer, end-of-completion ids, prompt ids per benchmark), or BadInput."""
     try:
         model, tokenizer = load_model(args.model, args.trust_remote_code, dtype)
         extra = args.stop_tokens.split(",") if args.stop_tokens else []
