@@ -14,15 +14,24 @@ generation_config.json with that family's end-token list and sampling defaults:
 `build(kind, folder, emit=...)` writes a folder that `AutoTokenizer` / `AutoModelForCausalLM` load. With `emit`, the
 weights are set so that the model deterministically continues a prompt with `emit` and then its end-of-turn token
 (a bigram chain: attention and MLP outputs are zeroed, so each next token depends on the current token only).
+
+`torchrun(...)` runs processes under torchrun; a `--worker` writes its result per rank with
+`write_result`, and `worker_results` runs one and reads what its ranks wrote.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
@@ -133,3 +142,57 @@ def set_chain(model, chain: list[int], margin: float = 60.0) -> None:
     for d, (cur, nxt) in enumerate(itertools.pairwise(chain)):
         emb[cur, d] = 1.0
         head[nxt, d] = margin / (emb.shape[1] ** 0.5 * model.model.norm.weight[d].item())  # RMSNorm(e_d) = √H·w_d·e_d
+
+
+# ---------------------------------------------------------------------------------------- torchrun
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def torchrun(*args: str, n: int = 2, timeout: int = 400) -> subprocess.CompletedProcess:
+    """n processes under torchrun in the repository, which must exit 0; on a timeout the launcher
+    and its workers are killed (no orphan survives)."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*launch, f"--nproc_per_node={n}", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout}s: {err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def write_result(out: str | Path, result: dict) -> None:
+    """Under torchrun: this rank's result, read back by `worker_results`."""
+    Path(f"{out}.rank{dist.get_rank()}").write_text(json.dumps(result))
+
+
+def worker_results(script: str | Path, *args: str, out: Path) -> list[dict]:
+    """`script --worker *args out` under torchrun on two ranks: what each rank wrote."""
+    torchrun(str(script), "--worker", *args, str(out))
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+
+
+# --------------------------------------------------------------------------------------- bad input
+
+
+def previous_run(out: Path) -> dict[str, bytes]:
+    """A finished-looking run in `out` (marked as a run's); returns its files, which a refused
+    command may not change."""
+    checkpoint = out / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    (out / ".run").write_text('{"created": 0}\n')
+    (checkpoint / "state_rank0.pt").write_bytes(b"weights of a week-long run")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    return snapshot(out)
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    """Every file below `out`, by its relative path."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}

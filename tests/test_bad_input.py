@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from fixtures import previous_run, snapshot
 
 import compare
 import eval as ev
@@ -44,19 +45,6 @@ BASE = [
     "--max_steps=1",
 ]
 needs_model = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="no tiny model")
-
-
-def previous_run(out: Path) -> dict[str, bytes]:
-    """A finished-looking run in `out`; returns its files, which no bad input may change."""
-    (out / "checkpoints" / "step_000002").mkdir(parents=True)
-    (out / ".run").write_text('{"created": 0}\n')
-    (out / "checkpoints" / "step_000002" / "state_rank0.pt").write_bytes(b"a week of training")
-    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    return snapshot(out)
-
-
-def snapshot(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def refused(tmp_path: Path, capsys, *args: str) -> str:

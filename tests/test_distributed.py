@@ -11,27 +11,18 @@ any collective on a host tensor fails with "No backend type associated with devi
 import datetime
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from fixtures import torchrun
 
 import checkpoint
 import train
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": str(REPO),
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "WANDB_MODE": "disabled",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 TINY = [
     "--config",
     "configs/tiny.yaml",
@@ -46,38 +37,6 @@ TINY = [
     "--threads=1",
     "--wandb.mode=disabled",
 ]
-
-
-def torchrun(
-    n: int, *args: str, timeout: int = 400, ok: bool = True
-) -> subprocess.CompletedProcess:
-    """n processes under torchrun; on a timeout the launcher and its workers are killed."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={n}",
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout}s: {err[-4000:]}")
-    if ok:
-        assert proc.returncode == 0, err[-4000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def worker(opts: dict, args: list[str]) -> None:
@@ -197,9 +156,9 @@ def test_nccl_like_backend_map_without_cpu_fails_on_host_collectives():
     """The control: with only an accelerator's backend registered (cuda:gloo here, as NCCL alone
     on a GPU), the trainer's host-tensor collectives fail; under train.py's map (the accelerator's
     part played by gloo) they run."""
-    bare = torchrun(2, __file__, "--control=cuda:gloo").stdout.splitlines()
+    bare = torchrun(__file__, "--control=cuda:gloo").stdout.splitlines()
     mapped = train.backend_map("cuda").replace("nccl", "gloo")
-    ok = torchrun(2, __file__, f"--control={mapped}").stdout.splitlines()
+    ok = torchrun(__file__, f"--control={mapped}").stdout.splitlines()
     refused = "No backend type associated with device type cpu"
     assert [json.loads(x) for x in bare] == [{"all_ranks": refused, "stop_signal": refused}] * 2
     assert [json.loads(x) for x in ok] == [{"all_ranks": "ok 2.0", "stop_signal": "ok 0"}] * 2
@@ -222,9 +181,9 @@ def test_nccl_backend_map_runs_setup_eval_step_checkpoint_resume(tmp_path, paral
         "--replay.strategy=uniform",
         "--replay.ratio=0.25",
     ]
-    torchrun(2, *common, "--max_steps=1")
+    torchrun(*common, "--max_steps=1")
     assert (out / "checkpoints" / "step_000001").is_dir()
-    r = torchrun(2, *common, "--max_steps=2", "--resume")
+    r = torchrun(*common, "--max_steps=2", "--resume")
     assert "resuming from" in r.stderr
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2] and (out / "final").is_dir()
@@ -347,12 +306,12 @@ def test_world_size_change_resumes_the_same_weights_optimizer_and_buffer(
         "--replay.strategy=uniform",
         "--replay.ratio=0.25",
     ]
-    torchrun(saved, *common, "--max_steps=2")
+    torchrun(*common, "--max_steps=2", n=saved)
     ck = out / "checkpoints" / "step_000002"
     opt = torch.load(ck / "optimizer.pt", weights_only=True)
     states = [torch.load(ck / f"state_rank{i}.pt", weights_only=True) for i in range(saved)]
     assert all("optimizer" not in s for s in states) and not (ck / "state_rank2.pt").exists()
-    r = torchrun(resumed, *common, f"--probe={tmp_path}", "--max_steps=3", "--resume")
+    r = torchrun(*common, f"--probe={tmp_path}", "--max_steps=3", "--resume", n=resumed)
     assert f"saved by {saved} processes: buffers re-split, RNG reseeded" in r.stderr
     got = torch.load(tmp_path / "restored.pt", weights_only=True)
     from safetensors.torch import load_file
@@ -410,10 +369,10 @@ def test_world_size_2_reads_the_model_on_rank_0_only(tmp_path, parallel):
         f"--out_dir={out}",
         f"--model.parallel={parallel}",
     ]
-    torchrun(2, *common, "--max_steps=1")
+    torchrun(*common, "--max_steps=1")
     loads = [json.loads((tmp_path / f"loads{i}.json").read_text()) for i in range(2)]
     assert loads == [["data/tiny_model"], []]
-    torchrun(2, *common, "--max_steps=2", "--resume")
+    torchrun(*common, "--max_steps=2", "--resume")
     loads = [json.loads((tmp_path / f"loads{i}.json").read_text()) for i in range(2)]
     assert loads == [[str(out / "checkpoints" / "step_000001")], []]
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import test_reliability as reliability
 import torch
-from test_scale import model_dir, shard, synthetic_batch, tiny_qwen3, torchrun  # noqa: F401
+from fixtures import worker_results, write_result
+from test_scale import model_dir, shard, synthetic_batch, tiny_qwen3  # noqa: F401
 from transformers import AutoModelForCausalLM
 
 import grpo
@@ -29,12 +30,7 @@ BEFORE_EPOCHS = "c6970d2"  # main before optim.epochs: "today's update"
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def epochs_cfg(epochs: int, minibatches: int = 1, gate: float = 0.0,
@@ -284,7 +280,7 @@ def worker(mode: str, folder: str, out: str) -> None:
         batch = shard(synthetic_batch(model.config.vocab_size), rank, world)
         delta, metrics, reasons = sgd_update(policy, model, batch, cfg, compute)
         result[name] = {"delta": delta.tolist(), "metrics": metrics, "reasons": reasons}
-    Path(f"{out}.rank{rank}").write_text(json.dumps(result))
+    write_result(out, result)
     dist.destroy_process_group()
 
 
@@ -306,10 +302,9 @@ def sgd_update(policy, model, batch, cfg, compute=None):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_torchrun_epochs_2_update_equals_single_process(model_dir, tmp_path, mode):  # noqa: F811
     out = tmp_path / f"{mode}.json"
-    torchrun(__file__, "--worker", mode, str(model_dir), str(out))
+    ranks = worker_results(__file__, mode, str(model_dir), out=out)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     batch = synthetic_batch(base.config.vocab_size)
-    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
     assert len(shard(batch, 0, 2)) != len(shard(batch, 1, 2)), "the ranks' row counts differ"
     for name, cfg in (("open", epochs_cfg(2, gate=1e6)), ("forced", epochs_cfg(4, gate=1e-9))):
         model = copy.deepcopy(base)

@@ -6,9 +6,7 @@ check.
   python -m pytest -q tests/test_logprobs.py        # ~1 min on 2 CPU cores
 """
 
-import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,17 +19,13 @@ import rollout
 from bench.gpu_check import counting_all_gathers
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, generate
+from tests.fixtures import worker_results, write_result
 from tests.test_scale import one_update, synthetic_batch, tiny_qwen3, update_cfg
 
 QWEN_VOCAB = 151936  # Qwen2.5's real vocabulary
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def qwen2(vocab: int, dtype=torch.float32, seed: int = 0):
@@ -319,22 +313,19 @@ def fsdp_worker(model_dir: str, out: str) -> None:
     grpo._logprobs(torch.compile(model, backend="eager"), batch, cfg, torch.device("cpu"))
     result["compiled_fsdp_share_prompt"] = calls
     grpo.completion_logprobs = real
-    Path(f"{out}.rank{dist.get_rank()}").write_text(json.dumps(result))
+    write_result(out, result)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def fsdp_result(tmp_path_factory):
-    from tests.test_scale import torchrun
-
     tmp = tmp_path_factory.mktemp("fsdp")
     tok = build_tokenizer()
     model = tiny_qwen3(len(tok))
     model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
     model.save_pretrained(tmp / "model")
     tok.save_pretrained(tmp / "model")
-    torchrun("tests/test_logprobs.py", "--worker", str(tmp / "model"), str(tmp / "out.json"))
-    return [json.loads((tmp / f"out.json.rank{r}").read_text()) for r in range(2)]
+    return worker_results("tests/test_logprobs.py", str(tmp / "model"), out=tmp / "out.json")
 
 
 def test_fsdp_reshard_settings_restored_after_generation(fsdp_result):

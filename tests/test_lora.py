@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import torchrun, worker_results, write_result
 from safetensors.torch import load_file
 from test_reliability import ENV, STEPS, TINY, assert_same_run, metrics, run_train, wait_for_step
-from test_scale import LOSS_AGGS, one_update, shard, synthetic_batch, torchrun, update_cfg
+from test_scale import LOSS_AGGS, one_update, shard, synthetic_batch, update_cfg
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -29,15 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"
 LORA = ["--model.lora.rank=8", "--optim.lr=2e-3"]
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="no data/tiny_model")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="no data/tiny_model"),
+    pytest.mark.usefixtures("one_thread"),  # tests/conftest.py
+]
 
 
 def lora_cfg(rank: int = 8, beta: float = 0.0) -> Config:
@@ -270,15 +266,14 @@ def worker(mode: str, out: str) -> None:
         batch = synthetic_batch(model.config.vocab_size)
         loss, delta, _ = one_update(policy, model, shard(batch, rank, world), cfg, compute)
         result[agg] = {"loss": loss, "grad": delta.tolist()}
-    Path(f"{out}.rank{rank}").write_text(json.dumps(result))
+    write_result(out, result)
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_lora_torchrun_first_update_equals_single_process(tmp_path, mode):
     out = tmp_path / f"{mode}.json"
-    torchrun(__file__, "--worker", mode, str(out))
-    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    ranks = worker_results(__file__, mode, out=out)
     for agg in LOSS_AGGS:
         cfg = lora_cfg()
         cfg.grpo.loss_agg = agg

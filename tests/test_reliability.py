@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures import previous_run, snapshot
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -463,19 +464,6 @@ BAD = [
 ]
 
 
-def _previous_run(out: Path) -> dict[str, bytes]:
-    """A finished-looking run in `out` (marked as a run's); returns its files so the test can check none changed."""
-    (out / "checkpoints" / "step_000002").mkdir(parents=True)
-    (out / ".run").write_text('{"created": 0}\n')
-    (out / "checkpoints" / "step_000002" / "state_rank0.pt").write_bytes(b"weights of a week-long run")
-    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    return snapshot(out)
-
-
-def snapshot(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-
-
 def error_line(capsys) -> str:
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1, lines
@@ -486,7 +474,7 @@ def error_line(capsys) -> str:
 def test_bad_input_one_line_exit_2_nothing_overwritten(tmp_path, capsys, case, extra, message):
     # --overwrite on a previous run: the worst case, since a valid command would set it aside.
     out = tmp_path / "run"
-    before = _previous_run(out)
+    before = previous_run(out)
     extra = extra(tmp_path) if callable(extra) else extra
     argv = ["--config", str(REPO / "configs" / "tiny.yaml"), f"--model.path={MODEL}", f"--out_dir={out}", "--overwrite",
             "--threads=1", "--wandb.mode=disabled", "--rollout.group_size=4", "--rollout.batch_size=16", *extra]
@@ -520,7 +508,7 @@ def test_overwrite_refuses_a_folder_it_did_not_write(tmp_path, capsys):
 @needs_model
 def test_overwrite_sets_the_old_run_aside_until_the_first_step(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    before = _previous_run(out)
+    before = previous_run(out)
 
     def fail_in_step(*args, **kwargs):
         raise train.RunError("disk gone in the middle of step 1")
@@ -545,7 +533,7 @@ def test_overwrite_sets_the_old_run_aside_until_the_first_step(tmp_path, capsys,
 @needs_model
 def test_a_second_run_on_the_same_out_dir_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
-    _previous_run(out)
+    previous_run(out)
     with open(out / ".lock", "a+") as lock:  # as a run in another process holds it
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         lock.write("4242\n")
@@ -583,7 +571,7 @@ def test_resume_refuses_changes_that_change_the_saved_state(tmp_path, capsys):
 
 def test_non_empty_out_dir_needs_resume_or_overwrite(tmp_path, capsys):
     out = tmp_path / "run"
-    before = _previous_run(out)
+    before = previous_run(out)
     assert train.main(["--config", str(REPO / "configs" / "tiny.yaml"), f"--out_dir={out}", "--wandb.mode=disabled"]) == 2
     assert f"out_dir {out} is not empty; pass --resume to continue it or --overwrite to start over" in error_line(capsys)
     assert snapshot(out) == before
@@ -636,7 +624,7 @@ class _Payload:
 @needs_model
 def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, capsys):
     out, marker = tmp_path / "run", tmp_path / "pwned"
-    _previous_run(out)
+    previous_run(out)
     torch.save({"step": 2, "evil": _Payload(marker)}, out / "checkpoints" / "step_000002" / "state_rank0.pt")
     before = snapshot(out)
     argv = ["--config", str(REPO / "configs" / "tiny.yaml"), f"--model.path={MODEL}", f"--out_dir={out}", "--resume", "--threads=1"]

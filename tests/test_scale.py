@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import ENV, torchrun, worker_results, write_result
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen3Config
@@ -30,18 +31,10 @@ from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, Rollouts, end_ids, generate, load_policy, prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
-       "TOKENIZERS_PARALLELISM": "false"}
 LOSS_AGGS = ("dapo", "grpo", "dr_grpo")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread, as the configs use: a second thread on a shared 2-core machine mostly waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_qwen3(vocab_size: int, seed: int = 0) -> torch.nn.Module:
@@ -290,21 +283,6 @@ def test_real_model_settings_run_train(model_dir, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- torchrun
 
 
-def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Two processes under torchrun; on a timeout the launcher and both workers are killed (no orphan survives)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout}s: {err[-4000:]}")
-    assert proc.returncode == 0, err[-4000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def worker(mode: str, model_dir: str, out: str) -> None:
     """Under torchrun: each rank runs grpo.update_policy on its shard of the synthetic batch, the model wrapped as
     train.py wraps it for model.parallel=`mode` (DDP, or FSDP2 sharding of every decoder layer and the root), and
@@ -323,17 +301,16 @@ def worker(mode: str, model_dir: str, out: str) -> None:
         batch = synthetic_batch(model.config.vocab_size)
         loss, delta, _ = one_update(policy, model, shard(batch, rank, world), cfg, compute)
         result[agg] = {"loss": loss, "grad": delta.tolist()}
-    Path(f"{out}.rank{rank}").write_text(json.dumps(result))
+    write_result(out, result)
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_torchrun_first_update_equals_single_process(model_dir, tmp_path, mode):
     out = tmp_path / f"{mode}.json"
-    torchrun(__file__, "--worker", mode, str(model_dir), str(out))
+    ranks = worker_results(__file__, mode, str(model_dir), out=out)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     batch = synthetic_batch(base.config.vocab_size)
-    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
     assert len(shard(batch, 0, 2)) != len(shard(batch, 1, 2)), "ranks hold different numbers of rows (and micro-batches)"
     for agg in LOSS_AGGS:
         model = copy.deepcopy(base)
