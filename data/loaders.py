@@ -23,8 +23,12 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from data.tiny_task import TinyTask
 
 MAX_LINE = 64 << 20  # bytes of one JSONL row; real ones (long proofs, chat transcripts) are < 1 MB
 PARSED_BYTES = 8  # peak memory per byte of a data file, as dicts then Problems (measured: 8.3)
@@ -49,33 +53,41 @@ _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer on its own line after 
 
 
 def load_problems(spec: str, *, data_dir: str | None = None, problem_key: str | None = None,
-                  answer_key: str | None = None, limit: int | None = None, tiny: dict | None = None) -> list[Problem]:
+                  answer_key: str | None = None, limit: int | None = None,
+                  tiny: TinyTask | None = None) -> list[Problem]:
     """Problems for a benchmark name, a .jsonl/.parquet path, `hf:NAME[:CONFIG][:SPLIT]`, or "tiny".
 
-    "tiny" is the embedded task's fixed held-out split, "tiny_train" its training split; `tiny` holds its
-    difficulty knobs (`max_int`, `max_den`, `kinds`; defaults when None), so train.py and eval.py build the same task.
+    "tiny" is the embedded task's fixed held-out split, "tiny_train" its training split of
+    `tiny.train_size` problems; `tiny` holds the task's knobs (defaults when None), so train.py and
+    eval.py build the same task.
     """
     if spec in ("tiny", "tiny_train"):
-        from data.tiny_task import load_tiny  # lazy: only the embedded task needs it
-        problems = load_tiny("test" if spec == "tiny" else "train", limit or (500 if spec == "tiny" else 2000), **(tiny or {}))
+        from data.tiny_task import TEST_SIZE, TinyTask  # lazy: tiny_task imports this module
+
+        tiny = tiny or TinyTask()
+        if spec == "tiny":
+            problems = tiny.load("test", limit or TEST_SIZE)
+        else:
+            problems = tiny.load("train", limit or tiny.train_size)
     else:
         source, rows, where = _read_rows(spec, data_dir, limit)
-        problems = [_to_problem(row, i, source, where, problem_key, answer_key) for i, row in enumerate(rows)]
+        problems = [_to_problem(row, i, source, where, problem_key, answer_key)
+                    for i, row in enumerate(rows)]
     if not problems:
         raise ValueError(f"{spec}: no problems found (empty dataset)")
     return problems
 
 
 def load_task(data, eval_n: int) -> tuple[list[Problem], list[Problem]]:
-    """(training problems, held-out eval problems) for config.DataConfig `data`; eval takes the first `eval_n`
-    (0 = all) of each comma-separated eval spec."""
-    tiny = {"max_int": data.tiny_max_int, "max_den": data.tiny_max_den, "kinds": data.tiny_kinds}
-    is_tiny = data.train == "tiny"
-    train = load_problems("tiny_train" if is_tiny else data.train, data_dir=data.data_dir or None, tiny=tiny,
-                          problem_key=data.problem_key or None, answer_key=data.answer_key or None,
-                          limit=data.tiny_train_size if is_tiny else None)
-    evals = [p for spec in data.eval.split(",") for p in load_problems(spec, data_dir=data.data_dir or None,
-                                                                        limit=eval_n or None, tiny=tiny)]
+    """(training problems, held-out eval problems) for config.DataConfig `data`; eval takes the
+    first `eval_n` (0 = all) of each comma-separated eval spec."""
+    folder = data.data_dir or None
+    spec = "tiny_train" if data.train == "tiny" else data.train
+    train = load_problems(spec, data_dir=folder, problem_key=data.problem_key or None,
+                          answer_key=data.answer_key or None, tiny=data.tiny)
+    evals = []
+    for spec in data.eval.split(","):
+        evals += load_problems(spec, data_dir=folder, limit=eval_n or None, tiny=data.tiny)
     return train, evals
 
 

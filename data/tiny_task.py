@@ -10,8 +10,8 @@ Usage:
   python -m data.tiny_task --split test --n 500 --out tiny_test.jsonl   # MATH-500-shaped JSONL
 
 The held-out split is fixed (its own seed, independent of the training seed) and no training problem
-equals a held-out problem. Difficulty knobs: `max_int` (operand size), `max_den` (fraction denominators),
-`kinds` (the mix, as `kind:weight` pairs).
+equals a held-out problem. Its knobs are `TinyTask`, the config section `data.tiny`
+(`--data.tiny.max_int=50`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ import argparse
 import json
 import math
 import random
+from dataclasses import dataclass
 from fractions import Fraction
 from math import lcm
 
+from data.loaders import Problem, machine_memory
+
 TEST_SEED = 1234  # the held-out split never changes with the training seed
+TEST_SIZE = 500  # problems in the held-out split
 DEFAULT_KINDS = "add:3,mul:2,frac:2,lin:2"
 
 
@@ -111,15 +115,17 @@ def distinct_problems(max_int: int, max_den: int, kinds: str) -> int:
     return sum(count[n] for n, w in zip(names, weights) if w > 0)
 
 
-def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 20, max_den: int = 6, kinds: str = DEFAULT_KINDS) -> list[dict]:
-    """`n` distinct problems. `split="test"` uses the fixed TEST_SEED; `"train"` uses `seed` and skips test problems."""
+def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 20, max_den: int = 6,
+               kinds: str = DEFAULT_KINDS) -> list[dict]:
+    """`n` distinct problems. `split="test"` uses the fixed TEST_SEED; `"train"` uses `seed` and
+    skips test problems."""
     names, weights = parse_kinds(kinds)
-    most = distinct_problems(max_int, max_den, kinds) - 500 * (split == "train")  # else: no end
+    most = distinct_problems(max_int, max_den, kinds)
+    if split == "train":
+        most -= TEST_SIZE  # no training problem is a held-out one
     if n > most:
         raise ValueError(f"tiny task: {n:,} {split} problems asked, at most {most:,} distinct ones "
                          f"exist with max_int={max_int}, max_den={max_den}, kinds={kinds}")
-    from data.loaders import machine_memory  # (lazy: loaders imports this module)
-
     if n * PROBLEM_BYTES > machine_memory():
         gb = n * PROBLEM_BYTES / 2**30
         raise ValueError(f"tiny task: {n:,} problems take ~{gb:.0f} GB, more than this "
@@ -127,7 +133,8 @@ def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 20, max_den:
     rng = random.Random(TEST_SEED if split == "test" else 10_000 + seed)
     held_out = set()
     if split == "train":
-        held_out = {p["problem"] for p in make_split("test", 500, max_int=max_int, max_den=max_den, kinds=kinds)}
+        test = make_split("test", TEST_SIZE, max_int=max_int, max_den=max_den, kinds=kinds)
+        held_out = {p["problem"] for p in test}
     seen, out = set(), []
     for _ in range(n * 50):
         p = make_problem(rng, rng.choices(names, weights)[0], max_int, max_den)
@@ -138,18 +145,49 @@ def make_split(split: str, n: int, seed: int = 0, *, max_int: int = 20, max_den:
         out.append(p)
         if len(out) == n:
             return out
-    raise ValueError(f"tiny task: only {len(out)} distinct problems for n={n}; raise max_int or max_den")
+    raise ValueError(f"tiny task: only {len(out)} distinct problems for n={n}; "
+                     "raise max_int or max_den")
 
 
-def load_tiny(split: str, n: int = 500, seed: int = 0, **difficulty) -> list:
-    """The tiny task as `data.loaders.Problem` rows (the shape every other dataset loads into)."""
-    from data.loaders import Problem
+@dataclass
+class TinyTask:
+    """The config section `data.tiny`: read wherever data.train or data.eval is `tiny`."""
 
-    return [Problem(p["problem"], p["answer"], p["unique_id"], "tiny") for p in make_split(split, n, seed, **difficulty)]
+    train_size: int = 2000
+    """Distinct training problems generated (prompts recur across epochs)."""
+    max_int: int = 20
+    """Difficulty: largest operand."""
+    max_den: int = 6
+    """Difficulty: largest fraction denominator."""
+    kinds: str = DEFAULT_KINDS
+    """The mix, as kind:weight pairs (add, mul, frac, lin)."""
+
+    def check(self) -> dict[str, tuple[bool, str]]:
+        """{field: (ok, what it must be)}, as every config section's; never raises."""
+        try:
+            space = distinct_problems(self.max_int, self.max_den, self.kinds)
+        except ValueError:
+            space = 0  # kinds is not valid
+        most = space - TEST_SIZE  # asking more, the search for new training problems never ends
+        fits = machine_memory() // PROBLEM_BYTES
+        size = (f"in [1, {min(most, fits):,}]: the tiny task makes at most {most:,} distinct "
+                f"training problems with these data.tiny keys, and {fits:,} fit in this "
+                f"machine's memory ({PROBLEM_BYTES} bytes each)")
+        return {"max_int": (self.max_int >= 2, "≥ 2"),
+                "max_den": (self.max_den >= 2, "≥ 2"),
+                "kinds": (space > 0, "kind:weight pairs of add, mul, frac, lin"),
+                "train_size": (1 <= self.train_size <= min(most, fits), size)}
+
+    def load(self, split: str, n: int) -> list[Problem]:
+        """`n` problems of `split` as `data.loaders.Problem` rows (the shape every dataset loads
+        into); the training split is seed 0's, whatever the run's seed."""
+        rows = make_split(split, n, max_int=self.max_int, max_den=self.max_den, kinds=self.kinds)
+        return [Problem(p["problem"], p["answer"], p["unique_id"], "tiny") for p in rows]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     ap.add_argument("--split", choices=["train", "test"], default="test")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)

@@ -250,12 +250,12 @@ VALUES = [  # (override(s), what the line must say)
         ["--max_steps=1000000000000"],
         "max_steps must be smaller: ~1e+12 max_steps × 16 rollout.batch_size",
     ),
-    (["--data.tiny_train_size=1000000000"], "data.tiny_train_size must be in [1, 13,041]"),
+    (["--data.tiny.train_size=1000000000"], "data.tiny.train_size must be in [1, 13,041]"),
     (
-        ["--data.tiny_train_size=100000000", "--data.tiny_max_int=1000000000"],
+        ["--data.tiny.train_size=100000000", "--data.tiny.max_int=1000000000"],
         "fit in this machine's memory",
     ),
-    (["--data.tiny_kinds=add:-1,mul:nan"], "data.tiny_kinds must be kind:weight pairs"),
+    (["--data.tiny.kinds=add:-1,mul:nan"], "data.tiny.kinds must be kind:weight pairs"),
     (["--reward.workers=1000000"], "reward.workers must be an integer in [1, 256]"),
     ([f"--reward.timeout={10**400}"], "reward.timeout must be > 0 and finite"),
     (

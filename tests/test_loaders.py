@@ -4,6 +4,7 @@ and the training-set schemas load from small fixture files written here."""
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,18 @@ def test_last_boxed():
     assert last_boxed("\\boxed{1} then \\boxed{\\{a, b\\}}") == "\\{a, b\\}"
     assert last_boxed("no box") is None
     assert last_boxed("\\boxed{unclosed") is None
+
+
+def test_tiny_task_knobs_are_the_data_tiny_section():
+    from config import load_config, validate
+    from data.loaders import load_task
+
+    knobs = ["--data.tiny.train_size=40", "--data.tiny.max_int=12", "--data.tiny.kinds=add:1"]
+    cfg = load_config("configs/tiny.yaml", knobs)
+    validate(cfg)
+    train, held_out = load_task(cfg.data, 10)
+    assert len(train) == 40 and len(held_out) == 10
+    for p in train + held_out:  # add problems only, operands within max_int
+        a, op, b = re.fullmatch(r"(-?\d+)([+-])(-?\d+)", p.problem).groups()
+        assert max(abs(int(a)), abs(int(b))) <= 12
+    assert not {p.problem for p in train} & {p.problem for p in held_out}

@@ -369,7 +369,7 @@ def test_vllm_rlep_phase_one_and_dynamic_sampling(tmp_path):
         "--wandb.mode=disabled",
         "--replay.strategy=rlep",
         f"--replay.rlep_source={phase1}",
-        "--data.tiny_train_size=48",  # phase I's problems: their stored successes join the groups
+        "--data.tiny.train_size=48",  # phase I's problems: their stored successes join the groups
         "--rollout.vllm_kv_cache_gb=0.0625",
     )
     steps = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
