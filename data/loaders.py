@@ -1,16 +1,17 @@
 """Math problems from their public schemas, as `Problem(problem, answer, id)` rows.
 
-    load_problems("math500", data_dir="bench")            # bench/math500_test.jsonl (also gsm8k, aime24, aime25, amc23)
-    load_problems("dapo17k", data_dir="train_data")       # train_data/dapo17k_train.{jsonl,parquet} (also math_train, gsm8k_train)
-    load_problems("my.jsonl", problem_key="q", answer_key="a")   # any JSONL or parquet file, fields named explicitly
-    load_problems("hf:openai/gsm8k:main:test")            # hf:NAME[:CONFIG][:SPLIT] via `datasets` (optional)
-    load_problems("tiny")                                 # the embedded task's held-out split (data/tiny_task.py)
-    load_problems("tiny_train")                           # ... and its default training split (RLEP phase I)
+    load_problems("math500", data_dir="bench")  # bench/math500_test.jsonl (or gsm8k, aime24...)
+    load_problems("dapo17k", data_dir="train")  # train/dapo17k_train.{jsonl,parquet} (math_train)
+    load_problems("my.jsonl", problem_key="q", answer_key="a")  # any JSONL or parquet, fields named
+    load_problems("hf:openai/gsm8k:main:test")  # hf:NAME[:CONFIG][:SPLIT] via `datasets` (optional)
+    load_problems("tiny")                       # the embedded task's held-out split (tiny_task.py)
+    load_problems("tiny_train")                 # ... and its training split (RLEP phase I)
 
-Schemas recognised without a field mapping: `problem`/`question`/`prompt` (a string, or a list of chat messages
-whose last user turn is the problem, as in DAPO-Math-17k); the answer is `reward_model.ground_truth`, else
-`answer` (GSM8K: the text after `####`; numbers: 27.0 -> "27"), else `solution` (its last \\boxed{...}, or the
-whole string when it has none). Answers are not normalised here: equivalence is the verifier's job.
+Schemas recognised without a field mapping: `problem`/`question`/`prompt` (a string, or a list of
+chat messages whose last user turn is the problem, as in DAPO-Math-17k); the answer is
+`reward_model.ground_truth`, else `answer` (GSM8K: the text after `####`; numbers: 27.0 -> "27"),
+else `solution` (its last \\boxed{...}, or the whole string when it has none). Answers are not
+normalised here: equivalence is the verifier's job.
 """
 
 from __future__ import annotations
@@ -40,14 +41,21 @@ class Problem:
     answer: str  # gold answer as written in the source ("025", "70,000", "\\frac{14}{3}")
     id: str  # stable id from the source when it has one, else "{source}-{row}"
     source: str = ""  # benchmark name or file stem
-    system: str = ""  # the system turn a chat-format row carries (ExGRPO's data does), used unless data.system_prompt is set
+    system: str = ""  # a chat-format row's system turn (ExGRPO's have one); data.system_prompt wins
 
 
-NAMED = {  # name -> file stem in data_dir; benchmarks ship as JSONL, training sets may also be parquet
-    "math500": "math500_test", "gsm8k": "gsm8k_test", "aime24": "aime24_test", "aime25": "aime25_test",
-    "amc23": "amc23_test", "math_train": "math_train", "dapo17k": "dapo17k_train", "gsm8k_train": "gsm8k_train",
+NAMED = {  # name -> file stem in data_dir; benchmarks ship as JSONL, training sets may be parquet
+    "math500": "math500_test",
+    "gsm8k": "gsm8k_test",
+    "aime24": "aime24_test",
+    "aime25": "aime25_test",
+    "amc23": "amc23_test",
+    "math_train": "math_train",
+    "dapo17k": "dapo17k_train",
+    "gsm8k_train": "gsm8k_train",
 }
-# DAPO-Math-17k wraps each problem in an "Answer: $Answer" instruction; strip it so every source gives bare problems.
+# DAPO-Math-17k wraps each problem in an "Answer: $Answer" instruction; stripped, so every source
+# gives bare problems.
 _DAPO_HEAD = re.compile(r"^Solve the following math problem step by step\..*?\n\n", re.DOTALL)
 _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer on its own line after \"Answer:\"\.\s*$")
 
@@ -92,14 +100,15 @@ def load_task(data, eval_n: int) -> tuple[list[Problem], list[Problem]]:
 
 
 def prompt_order(n: int, position: int, count: int, seed: int) -> list[int]:
-    """Indices of the next `count` of n training problems: a fresh seeded permutation each epoch. A pure function of
-    the position in the stream, so a resumed run needs only the position."""
+    """Indices of the next `count` of n training problems: a fresh seeded permutation each epoch.
+    A pure function of the position in the stream, so a resumed run needs only the position."""
     import torch
 
     out = []
     while len(out) < count:
         epoch, offset = divmod(position, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        perm = torch.randperm(n, generator=gen).tolist()
         take = perm[offset : offset + count - len(out)]
         out, position = out + take, position + len(take)
     return out
@@ -111,9 +120,11 @@ def _read_rows(spec: str, data_dir: str | None, limit: int | None) -> tuple[str,
         return spec, _read_hub(spec, limit), spec
     if spec in NAMED:
         if not data_dir:
-            raise ValueError(f"benchmark {spec!r} needs data_dir (the folder holding {NAMED[spec]}.jsonl)")
+            raise ValueError(f"benchmark {spec!r} needs data_dir "
+                             f"(the folder holding {NAMED[spec]}.jsonl)")
         stem = Path(data_dir) / NAMED[spec]
-        path = next((p for p in (stem.with_suffix(".jsonl"), stem.with_suffix(".parquet")) if p.exists()), None)
+        found = [p for p in (stem.with_suffix(s) for s in (".jsonl", ".parquet")) if p.exists()]
+        path = found[0] if found else None
         if path is None:
             raise FileNotFoundError(f"{stem}.jsonl not found (nor .parquet) for benchmark {spec!r}")
         source = spec
@@ -122,12 +133,14 @@ def _read_rows(spec: str, data_dir: str | None, limit: int | None) -> tuple[str,
     elif spec.endswith((".jsonl", ".parquet")) or Path(spec).exists():
         path, source = Path(spec), Path(spec).stem
     else:
-        raise ValueError(f"unknown benchmark {spec!r}; expected tiny, {', '.join(NAMED)}, a .jsonl/.parquet path or hf:NAME")
+        raise ValueError(f"unknown benchmark {spec!r}; expected tiny, {', '.join(NAMED)}, "
+                         "a .jsonl/.parquet path or hf:NAME")
     with open_regular(path) as f:  # a FIFO or a device is refused before anything reads it
         size = os.fstat(f.fileno()).st_size
     if limit is None and size * PARSED_BYTES > machine_memory():
-        raise ValueError(f"{path} is {size / 2**30:.1f} GB; parsed, its rows take ~{PARSED_BYTES}× "
-                         f"that, more than this machine's {machine_memory() / 2**30:.0f} GB")
+        raise ValueError(f"{path} is {size / 2**30:.1f} GB; parsed, its rows take "
+                         f"~{PARSED_BYTES}× that, more than this machine's "
+                         f"{machine_memory() / 2**30:.0f} GB")
     rows = _read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path, limit)
     return source, rows[:limit], str(path)
 
@@ -167,7 +180,7 @@ def open_regular(path: str | Path, max_bytes: int | None = None):
 
 
 def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Rows of a JSONL file (blank lines skipped); a bad line raises ValueError naming file and line."""
+    """Rows of a JSONL file (blank lines skipped); ValueError naming file and line for a bad one."""
     return [row for _, row in jsonl_rows(path, limit)]
 
 
@@ -293,7 +306,8 @@ def _read_parquet(path: Path) -> list[dict]:
     try:
         import pandas as pd  # optional: only parquet needs it
     except ImportError:
-        raise ImportError(f"reading {path} needs pandas and pyarrow: pip install pandas pyarrow") from None
+        raise ImportError(f"reading {path} needs pandas and pyarrow: "
+                          "pip install pandas pyarrow") from None
     return pd.read_parquet(path).to_dict("records")
 
 
@@ -308,17 +322,19 @@ def _read_hub(spec: str, limit: int | None) -> list[dict]:
     return [dict(r) for r in (ds.select(range(min(limit, len(ds)))) if limit is not None else ds)]
 
 
-def _to_problem(row: dict, i: int, source: str, where: str, problem_key: str | None, answer_key: str | None) -> Problem:
+def _to_problem(row: dict, i: int, source: str, where: str, problem_key: str | None,
+                answer_key: str | None) -> Problem:
     pkeys = [problem_key] if problem_key else ["problem", "question", "prompt"]
     akeys = [answer_key] if answer_key else ["reward_model.ground_truth", "answer", "solution"]
     pkey = next((k for k in pkeys if _get(row, k) is not None), None)
     akey = next((k for k in akeys if _get(row, k) is not None), None)
     if pkey is None or akey is None:
         what, tried = ("problem", pkeys) if pkey is None else ("answer", akeys)
-        raise ValueError(f"{where}: row {i} has no {what} field (tried {'/'.join(tried)}; pass {what}_key)")
+        raise ValueError(f"{where}: row {i} has no {what} field "
+                         f"(tried {'/'.join(tried)}; pass {what}_key)")
     problem, answer = _get(row, pkey), _get(row, akey)
     system = ""
-    if isinstance(problem, list):  # chat messages: the problem is the last user turn, a system turn is kept
+    if isinstance(problem, list):  # chat messages: the problem is the last user turn
         turns = [m for m in problem if isinstance(m, dict)]
         system = next((m.get("content") or "" for m in turns if m.get("role") == "system"), "")
         problem = next((m.get("content") for m in reversed(turns) if m.get("role") == "user"), None)
@@ -327,14 +343,15 @@ def _to_problem(row: dict, i: int, source: str, where: str, problem_key: str | N
     problem = _DAPO_TAIL.sub("", _DAPO_HEAD.sub("", problem))
     if isinstance(answer, str) and "####" in answer:  # GSM8K: worked solution, then "#### 70,000"
         answer = answer.rsplit("####", 1)[1]
-    elif isinstance(answer, str) and akey == "solution":  # MATH train: the answer is the solution's last \boxed{}
+    elif isinstance(answer, str) and akey == "solution":  # MATH train: the solution's last \boxed{}
         answer = last_boxed(answer) or answer
     rid = row.get("id", row.get("unique_id"))
     text = _as_text(answer)
-    if text is None:  # a null (NaN in parquet), a bool, a list: \boxed{nan} must never be a reward a policy can learn
-        raise ValueError(f"{where}: row {i}: the gold answer ({akey}) must be a non-empty string or a finite number, "
-                         f"got {str(answer)[:40]!r}")
-    return Problem(problem.strip(), text, f"{source}-{i}" if rid is None else str(rid), source, system)
+    if text is None:  # a null (NaN in parquet), a bool, a list: never a reward to learn \boxed{nan}
+        raise ValueError(f"{where}: row {i}: the gold answer ({akey}) must be a non-empty string "
+                         f"or a finite number, got {str(answer)[:40]!r}")
+    rid = f"{source}-{i}" if rid is None else str(rid)
+    return Problem(problem.strip(), text, rid, source, system)
 
 
 def _get(row: dict, key: str):
@@ -342,7 +359,9 @@ def _get(row: dict, key: str):
     value = row
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
-    return value.tolist() if hasattr(value, "tolist") else value  # parquet gives numpy arrays and scalars
+    if hasattr(value, "tolist"):  # parquet gives numpy arrays and scalars
+        return value.tolist()
+    return value
 
 
 def _as_text(value) -> str | None:
@@ -351,13 +370,17 @@ def _as_text(value) -> str | None:
         return None
     if isinstance(value, numbers.Integral):
         return str(int(value))
-    if isinstance(value, numbers.Real):  # AMC stores 27.0: the integer it means, else the float as written
-        return None if not math.isfinite(value) else str(int(value)) if float(value).is_integer() else repr(float(value))
-    return value.strip() or None
+    if isinstance(value, str):
+        return value.strip() or None
+    if not math.isfinite(value):
+        return None
+    if float(value).is_integer():  # AMC stores 27.0: the integer it means
+        return str(int(value))
+    return repr(float(value))
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} in `text`, with nested braces balanced; None if there is none."""
+    """Content of the last \\boxed{...} in `text`, nested braces balanced; None if there is none."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
