@@ -95,6 +95,37 @@ def test_validate(override, message):
         validate(load_config(None, [override]))
 
 
+# The rules grpo.policy_loss (per micro-batch) and replay.make_replay checked again: validate alone.
+ONCE = [
+    (["--grpo.adv_scale=std"], "grpo.adv_scale must be group, batch or none"),
+    (["--grpo.adv_eps=1"], "grpo.adv_eps must be in [0, 1)"),
+    (["--grpo.offpolicy=clip"], "grpo.offpolicy must be behaviour, decoupled or shaped"),
+    (["--grpo.eps_low=1"], "grpo.eps_low must be in [0, 1)"),
+    (["--grpo.eps_high=100"], "grpo.eps_high must be in [0, 100)"),
+    (["--grpo.is_cap=0.5"], "grpo.is_cap must be ≥ 1"),
+    (["--grpo.beta=-1"], "grpo.beta must be ≥ 0"),
+    (["--grpo.engine_is_cap=0.5"], "grpo.engine_is_cap must be 0 (off) or ≥ 1"),
+    (["--replay.advantage=fresh"], "replay.advantage must be stored or recompute"),
+    (["--replay.rlep_source=x.jsonl"], "replay.rlep_source must be empty: it is read by rlep only"),
+    (["--replay.strategy=uniform", "--replay.ratio=1"], "replay.ratio must be in [0, 1) for uniform"),
+    (["--replay.strategy=uniform", "--replay.max_age=-1"], "replay.max_age must be ≥ 0"),
+    (["--replay.strategy=aper", "--replay.ratio=5"], "replay.ratio must be in [0, 4] for aper"),
+    (["--replay.strategy=aper", "--replay.alpha=100"], "replay.alpha must be in [0, 100)"),
+    (["--replay.strategy=aper", "--replay.priority_eps=0"], "replay.priority_eps must be > 0"),
+    (["--replay.strategy=rlep", "--replay.rlep_n=0"], "replay.rlep_n must be ≥ 1"),
+    (["--replay.strategy=exgrpo", "--replay.exgrpo_sigma=0"], "replay.exgrpo_sigma must be > 0"),
+    (["--replay.strategy=exgrpo", "--replay.exgrpo_min_solve=2"],
+     "replay.exgrpo_min_solve must be in [0, 1]"),
+    (["--replay.strategy=group", "--replay.tau_max=0"], "replay.tau_max must be ≥ 1"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", ONCE, ids=[" ".join(o[0]) for o in ONCE])
+def test_validate_checks_what_grpo_and_replay_read(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config(None, overrides))
+
+
 def test_strategy_keys_are_checked_by_the_strategy():
     with pytest.raises(ConfigError, match=re.escape("replay.tau_max must be ≥ 1")):
         validate(load_config(None, ["--replay.strategy=aper", "--replay.tau_max=0"]))
