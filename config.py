@@ -1,7 +1,8 @@
 """One typed config: dataclasses, YAML files over the defaults (a `base:` file first), then
 dotted overrides (`--replay.strategy=aper`). Unknown keys and wrong types are errors naming the key
 and the closest one. Each section's `check()` gives {field: (ok, what it must be)}; `validate` runs
-them all, once. A section one module reads lives beside it (rollout, reward, grpo, replay, lora).
+them all, once. A section one module reads lives beside it (rollout, reward, grpo, replay, lora,
+data.tiny).
 """
 
 from __future__ import annotations
