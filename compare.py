@@ -44,6 +44,8 @@ def load_run(path: str | Path) -> dict:
     tags = [strategy]
     if config.get("rollout", {}).get("dynamic_sampling"):  # its own arm, never the baseline
         tags.append("dynamic")
+    if config.get("model", {}).get("lora", {}).get("rank", 0) > 0:  # adapters: lora, aper+lora
+        tags.append("lora")
     optim = config.get("optim", {})
     if optim.get("epochs", 1) > 1:  # reuse too: epochs2, epochs4+gate, aper+epochs2
         tags.append(f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate")))
@@ -241,14 +243,16 @@ def holm(ps: list[float]) -> list[float]:
 
 
 def compare_runs(runs: list[dict], baseline: str, target: float | None, budget: float | None):
-    """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy and
-    mean total generated tokens are the default target and budget; the runs get their figures."""
+    """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy is the
+    default target and whose smallest total of generated tokens the default budget: every baseline
+    seed then counts (their totals differ by 1-2 %, so their mean would leave about half out)."""
     base = [run for run in runs if run["strategy"] == baseline and run["final"] is not None]
     if not base:
         raise ValueError(f"no run of the baseline {baseline!r} has an eval (--baseline names it)")
     L_b, A_b, T_b = (mean([run[k] for run in base]) for k in ("length", "final", "tokens"))
     target = A_b if target is None else target
-    budget = T_b if budget is None else budget
+    if budget is None:
+        budget = min(run["tokens"] for run in base)
     arms = {}
     for run in runs:
         crossing = sustained_crossing(run["curve"], target)
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
     ap.add_argument("--target", type=float, help="accuracy (0-1) for tokens to target (default: "
                     "the baseline's mean final accuracy)")
     ap.add_argument("--budget", type=float, help="generated tokens the area covers (default: the "
-                    "baseline's mean total)")
+                    "smallest total of the baseline's runs)")
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:

@@ -186,6 +186,8 @@ def check_args(args) -> Path:
                            "elsewhere")
         if f.name and f.exists() and not f.is_file():  # writing into a FIFO waits forever
             raise BadInput(f"{f} exists and is not a regular file")
+        if f.name and any(folder.is_file() for folder in f.parents):
+            raise BadInput(f"{f}: a folder on its path is a file")
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out-dir {out} is a file")
     return out
@@ -312,6 +314,7 @@ def save_correct(path: str, problems: list[Problem], records: list[dict], meta: 
     into `<path>.meta.json`. Written aside, then renamed: `path` holds whole lines. Returns the
     number written."""
     n, tmp = 0, Path(path).with_name(f".tmp_{Path(path).name}")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "w") as f:
         for p, r in zip(problems, records, strict=True):
             kept = zip(r.pop("completions"), r.pop("ids"), r.pop("behav_logp"), r["correct"])

@@ -305,6 +305,14 @@ def test_bad_input_values_eval(tmp_path, capsys, args, words):
     assert words in eval_refused(capsys, tmp_path, *args)
 
 
+def test_bad_input_eval_save_correct_under_a_file(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file, not a folder\n")
+    saved = tmp_path / "taken" / "phase1.jsonl"
+    err = eval_refused(capsys, tmp_path, "--save-correct", str(saved))
+    assert "a folder on its path is a file" in err
+    assert (tmp_path / "taken").read_text() == "a file, not a folder\n"
+
+
 # --------------------------------------------------------------------------- config and data bombs
 
 

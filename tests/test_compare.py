@@ -358,3 +358,23 @@ def test_plateau_check_on_hand_made_curves(tmp_path):
     runs = [run("c", [0.2, 0.45, 0.5, 0.55]), run("d", [0.2, 0.45, 0.5, 0.55])]
     rising = subprocess.run([*script, *runs], check=False, capture_output=True, text=True)
     assert rising.returncode == 1 and "still moving" in rising.stdout
+
+
+def test_area_default_budget_is_the_shortest_baseline_run_and_lora_is_its_own_arm(tmp_path):
+    """none's runs end at 600 and 540 tokens (mean 570): the default budget is 540, so both
+    baseline seeds count; a LoRA run (model.lora.rank > 0) of strategy none is the arm `lora`."""
+    runs = [train_run(tmp_path, "none", 0, [0.2, 0.3, 0.4, 0.5]),
+            train_run(tmp_path, "none", 1, [0.2, 0.3, 0.4, 0.5], per_step=90),
+            train_run(tmp_path, "lora", 0, [0.2, 0.4, 0.5, 0.6])]
+    config = {"seed": 0, "replay": {"strategy": "none"}, "rollout": {"dynamic_sampling": 0},
+              "model": {"lora": {"rank": 8}}}
+    (runs[2] / "config.yaml").write_text(yaml.safe_dump(config))
+    summary = json.loads((runs[2] / "summary.json").read_text()) | {"strategy": "none"}
+    (runs[2] / "summary.json").write_text(json.dumps(summary))
+    loaded = [cp.load_run(r) for r in runs]
+    assert [r["strategy"] for r in loaded] == ["none", "none", "lora"]
+    table, _, budget = cp.compare_runs(loaded, "none", None, None)
+    assert budget == 540
+    assert [row["area_n"] for row in table] == [2, 1]
+    # none-s1: evals at 0, 180, 360, 540 tokens, so its area is the whole curve's
+    assert loaded[1]["area"] == pytest.approx((0.2 + 2 * 0.3 + 2 * 0.4 + 0.5) / 6, abs=1e-12)

@@ -159,7 +159,7 @@ def test_save_correct_writes_only_verified_completions(tiny_random_model, tmp_pa
         return pack(rows, tokenizer.pad_token_id, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), 0), texts
 
     monkeypatch.setattr(ev, "generate", fake_generate)
-    saved = tmp_path / "phase1.jsonl"
+    saved = tmp_path / "phase1" / "phase1.jsonl"  # a folder that does not exist yet is created
     ev.main(["--model", str(tiny_random_model), "--benchmarks", str(custom), "--k", "2", "--template", "{problem}",
              "--out-dir", str(tmp_path / "out"), "--save-correct", str(saved)])
     rows = [json.loads(line) for line in saved.read_text().splitlines()]
