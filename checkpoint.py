@@ -22,8 +22,8 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import state_dict as dcp
 
 from config import flat_dict
-from grpo import all_ranks
 from rollout import fsync, save_model
+from util import MAX, all_ranks
 
 # What runs write in out_dir: a folder holding anything else is never overwritten.
 RUN_FILES = {".run", ".lock", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints",
@@ -34,7 +34,6 @@ RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint."
              "model.gradient_checkpointing", "model.compile", "model.device",
              "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size",
              "rollout.vllm_")
-MAX = dist.ReduceOp.MAX
 FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, rank 0's host
 
 

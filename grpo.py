@@ -73,7 +73,6 @@ clip against the sampling policy, k3 KL to a reference with beta > 0):
 from __future__ import annotations
 
 import math
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from types import MethodType
@@ -84,6 +83,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from util import MAX, all_ranks, timed
 
 
 @dataclass
@@ -390,8 +391,6 @@ def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tens
     (clip fractions, approx_kl, is_weight_mean, entropy, kl_ref: divide by `tokens` once added); only is_weight_max
     and is_weight_min take a max / min. is_weight is π_prox/μ before truncation (1 on on-policy rows).
     """
-    if bad := [f"grpo.{k} must be {rule}" for k, (ok, rule) in cfg.check().items() if not ok]:
-        raise ValueError(bad[0])
     m = mask.bool()  # (B, L)
 
     def valid(x: Tensor) -> Tensor:  # zero every input off the mask first: padding (even NaN) gives loss and grad 0
@@ -454,25 +453,6 @@ def _engine_weight(prox: Tensor, behav: Tensor, rows: Tensor | None, cap: float)
 # ----------------------------------------------------------------------------------------------------- the update
 
 
-@contextmanager
-def timed(times: dict, name: str):
-    """Add the seconds the block takes to times[name]."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[name] = times.get(name, 0.0) + time.perf_counter() - t0
-
-
-def all_ranks(x, op=None):
-    """`x` (a number or a float tensor) reduced over the processes, summed by default; `x` itself in one process."""
-    if not dist.is_initialized():
-        return x
-    t = torch.as_tensor(x, dtype=torch.float64).clone()
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t if isinstance(x, Tensor) else t.item()
-
-
 def _logprobs(model, mb, cfg, device, with_entropy=False):
     # FSDP: asked of the module, not of a parameter (an unsharded root holds plain tensors)
     sharded = isinstance(hf_module(model), FSDPModule)
@@ -486,7 +466,7 @@ def no_grad_logprobs(model, batch, cfg, compute, device, with_entropy=False) -> 
     rows at a time. Under FSDP each forward is collective, so a rank with fewer chunks repeats a chunk (discarded)."""
     logp, ent = torch.zeros(batch.tokens.shape), torch.zeros(batch.tokens.shape)
     chunks = list(torch.argsort(batch.completion_len).split(cfg.optim.logprob_batch_size))
-    for j in range(int(all_ranks(len(chunks), dist.ReduceOp.MAX if dist.is_initialized() else None))):
+    for j in range(int(all_ranks(len(chunks), MAX))):
         rows = chunks[min(j, len(chunks) - 1)]
         with torch.no_grad(), compute:
             lp, e = _logprobs(model, batch.select(rows), cfg, device, with_entropy)
@@ -514,16 +494,6 @@ def micro_batches(rows: Tensor, completion_len: Tensor, seq_len: Tensor, o) -> l
     if len(rows) > start:
         out.append(rows[start:])
     return out
-
-
-def lr_at(step: int, cfg) -> float:
-    """Learning rate of generation step `step` (0-based): linear warm-up, then constant or cosine decay."""
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
-    cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return o.lr * (cosine if o.schedule == "cosine" else 1.0)
 
 
 def minibatch_plan(n: int, o) -> list[tuple[int, Tensor]]:
@@ -607,7 +577,7 @@ class Gate:
         no_ref = math.inf if norm > 0 else 0.0  # the first pass had no gradient at all
         out["optim/lm_head_grad_ratio_max"] = norm / self.ref if self.ref > 0 else no_ref
         crossed = self.gate > 0 and norm > self.gate * self.ref
-        agreed = all_ranks(float(crossed), dist.ReduceOp.MAX if dist.is_initialized() else None)
+        agreed = all_ranks(float(crossed), MAX)
         return out | {"gated": agreed > 0}
 
     def close(self) -> None:
@@ -657,7 +627,7 @@ def _update(cfg, model, policy, optimizer, batch, device, compute, ref, gate) ->
                                         float((batch.advantage[rows] != 0).any())]))
         run = rows[batch.advantage[rows] != 0] if cfg.grpo.beta == 0 else rows
         micro = micro_batches(run, batch.completion_len, batch.seq_len, cfg.optim)
-        n_micro = int(all_ranks(max(1, len(micro)), dist.ReduceOp.MAX if world > 1 else None))
+        n_micro = int(all_ranks(max(1, len(micro)), MAX))
         optimizer.zero_grad(set_to_none=True)
         sums, hi, lo = {}, torch.tensor(-math.inf), torch.tensor(math.inf)
         with timed(times, "forward_backward"):
@@ -716,7 +686,7 @@ def _gap_metrics(gaps: list[Tensor]) -> dict:
     was): the training-inference mismatch at the weights that sampled them."""
     g = torch.stack(gaps) if gaps else torch.zeros(1, 3, dtype=torch.float64)  # (n, 3)
     total = all_ranks(g[:, :2].sum(0))
-    top = all_ranks(g[:, 2].max(), dist.ReduceOp.MAX if dist.is_initialized() else None)
+    top = all_ranks(g[:, 2].max(), MAX)
     mean = (total[0] / total[1]).item() if total[1] > 0 else math.nan
     top = float(top) if total[1] > 0 else math.nan
     return {"rollout/logp_gap_mean": mean, "rollout/logp_gap_max": top}
@@ -735,7 +705,7 @@ def _optimizer_step(cfg, model, optimizer, sums: dict, hi: Tensor, lo: Tensor, a
     advantages: AdamW would still move the weights through momentum and decay), the loss or
     gradient is not finite, or the gate closed (`gated`: AdamW's moments never see the gradient)."""
     keys = sorted(sums)
-    ext = all_ranks(torch.stack([hi, -lo]).double(), dist.ReduceOp.MAX if dist.is_initialized() else None)
+    ext = all_ranks(torch.stack([hi, -lo]).double(), MAX)
     out = dict(zip(keys, all_ranks(torch.stack([sums[k] for k in keys])).tolist())) if keys else {"loss": 0.0}
     out = {k: v if k in ("loss", "tokens") else v / max(out["tokens"], 1) for k, v in out.items()}
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf) if any_signal \

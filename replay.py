@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from data.loaders import PARSED_BYTES, json_line, jsonl_rows, machine_memory, open_regular
-from grpo import all_ranks as grpo_all_ranks
 from grpo import group_stats
 from rollout import Rollouts, pack
+from util import all_ranks
 
 STRATEGIES: dict[str, type[Replay]] = {}
 RAGGED = ("tokens", "behav_logp")  # the (rows, max_len) fields: a checkpoint holds occupied rows
@@ -630,7 +630,7 @@ class ExgrpoReplay(Replay):
             self._write(batch.select(torch.tensor(keep, dtype=torch.long)))
             for g in torch.nonzero((k > 0) & (k < n)).squeeze(1).tolist():  # every stored row learns its question's k
                 self.score[self.valid & (self.rows.prompt_idx == batch.prompt_idx[inv == g][0])] = k[g]
-        rate = grpo_all_ranks(torch.tensor([float(batch.correct.sum()), float(len(batch))]))
+        rate = all_ranks(torch.tensor([float(batch.correct.sum()), float(len(batch))]))
         self.latched = self.latched or bool(rate[0] > self.cfg.exgrpo_min_solve * rate[1])
         self.last |= {"experience_on": float(self.latched), "retired": float(len(self.retired))}
 

@@ -71,7 +71,6 @@ from config import (
 )
 from data.loaders import load_task, prompt_order
 from eval import evaluate, summarize
-from grpo import all_ranks, timed
 from preempt import STOP, Interrupted, abandonable
 from replay import make_replay
 from rewards import overlong_penalty, score_batch
@@ -87,6 +86,7 @@ from rollout import (
     save_model,
     template_warnings,
 )
+from util import MAX, all_ranks, timed
 
 
 def main(argv: list[str]) -> int:
@@ -362,6 +362,19 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
         dist.destroy_process_group() if dist.is_initialized() else None
 
 
+def get_lr(step: int, cfg: Config) -> float:
+    """Learning rate of generation step `step` (0-based): linear warm-up, then constant or cosine
+    decay."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
+    cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if o.schedule == "cosine":
+        return o.lr * cosine
+    return o.lr
+
+
 def loop(r: Run) -> int:
     """Generation steps until max_steps or a stop; returns the signal number (0 = ran to the end).
 
@@ -397,7 +410,7 @@ def loop(r: Run) -> int:
         with timed(t, "replay_sample"):  # 4. Replay: the update batch, fresh rows and stored ones
             batch = r.replay.sample(fresh, step)
         for group in r.optimizer.param_groups:  # the schedule counts generation steps, whatever optim.minibatches is
-            group["lr"] = grpo.lr_at(step, cfg)
+            group["lr"] = get_lr(step, cfg)
         # 5. Update: optim.minibatches optimizer steps, each of micro-batches. A stop waits for it.
         update, entropy, skipped, times = grpo.update_policy(cfg, r.model, r.policy, r.optimizer, batch, r.device,
                                                              r.compute, r.ref)

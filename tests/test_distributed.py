@@ -130,15 +130,15 @@ def test_nccl_backend_map_registers_gloo_for_host_tensors(monkeypatch):
 
 
 def host_collectives(backend: str) -> None:
-    """Under torchrun: the trainer's host-tensor collectives (grpo.all_ranks, preempt.Stop.agreed)
+    """Under torchrun: the trainer's host-tensor collectives (util.all_ranks, preempt.Stop.agreed)
     under `backend`; prints what each did."""
-    import grpo
     import preempt
+    import util
 
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
     done = {}
     for name, call in (
-        ("all_ranks", lambda: grpo.all_ranks(1.0)),
+        ("all_ranks", lambda: util.all_ranks(1.0)),
         ("stop_signal", lambda: preempt.Stop().agreed()),
     ):
         try:

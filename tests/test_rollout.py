@@ -211,7 +211,7 @@ def test_warmup_counts_generation_steps_whatever_the_minibatches(tmp_path):
 def test_cosine_schedule():
     cfg = load_config(None, ["--max_steps=10", "--optim.warmup_steps=2", "--optim.schedule=cosine", "--optim.lr=1.0",
                              "--optim.min_lr_ratio=0.1"])
-    lrs = [grpo.lr_at(s, cfg) for s in range(10)]
+    lrs = [train.get_lr(s, cfg) for s in range(10)]
     assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])  # warm-up, then the cosine from its peak
     assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 7 / 8)).item()))
     assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
