@@ -2,8 +2,8 @@
 
 Usage:
   python bench/memory_plan.py                      # the README table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
-  python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model trained a few steps on this CPU:
-                                                   # peak RSS against the formula's CPU figure (~5 min, ~9 GB of RAM)
+  python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model trained on
+                                                   # this CPU: peak RSS against the formula (~11 GB of RAM)
   python bench/memory_plan.py --measure --lora 32  # the same with rank-32 adapters on a frozen base
 
 The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N GPUs sharing them under fsdp):
@@ -16,7 +16,8 @@ The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N 
                compute dtype (2 for bf16)
   logits       2·4·C + 4·V·H (+ 4·V·H when a = 2): the output layer runs in chunks of C = grpo.HEAD_CHUNK
                float32 logits, recomputed in backward (two (chunk, V) temporaries), its float32 weight
-               gradient before it is accumulated, and the float32 copy of bf16 weights
+               gradient before it is accumulated (none under LoRA: the output layer is frozen), and
+               the float32 copy of bf16 weights
   logprob pass the no-grad passes for π at the start of a step (optim.minibatches > 1) and the reference (beta > 0):
                b_lp·T·H·8a + 2·4·C (+ 4·V·H when a = 2), b_lp = optim.logprob_batch_size
   generation   KV cache  gen_batch·T·L·2·n_kv·d·2 (bf16), plus under fsdp the full bf16 weights 2·P, gathered once
@@ -24,16 +25,24 @@ The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N 
   optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
 LoRA (model.lora.rank r > 0; P_A = r · Σ (fan-in + fan-out) over the linear layers of every block):
   weights a·P (the frozen base, in the compute dtype) + 4·P_A; gradients 4·P_A; optimizer 8·P_A;
-  optimizer step 4·P_A; activations, logits, no-grad passes and generation as above.
+  optimizer step 4·P_A; logits 2·4·C (+ 4·V·H when a = 2); no-grad passes, activations and
+  generation as above.
 Training, the no-grad passes, generation and the optimizer step do not overlap in time: the peak is the resident training state
 (weights, gradients, optimizer) plus the largest of the four phases (the optimizer step is one). Not counted: the CUDA context and allocator
-fragmentation (plan 2-4 GB of headroom per GPU).
+fragmentation (plan 2-4 GB of headroom per GPU); under LoRA with optim.epochs > 1, the gate's float32
+gradient of the frozen output layer and its sum (2·4·V·H; no paper config sets epochs).
+--measure runs each configuration in a child process of its own, on one thread, with glibc's mmap
+threshold fixed at 128 KiB: by default glibc raises that threshold up to 32 MiB as blocks are freed and
+keeps the freed layer-sized blocks in its heap (1.1-1.3 GB of free heap during a LoRA step, mallinfo2),
+so the RSS would count the CPU allocator's fragmentation, not the tensors the formula counts.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import importlib
+import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -103,7 +112,7 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
         "gradients": 4 * trained / shard,
         "optimizer": 8 * trained / shard,
         "activations": (s.layers * bT * s.hidden * a + layer) if checkpointing else s.layers * layer / 2,
-        "logits": 2 * 4 * HEAD_CHUNK + 4 * s.vocab * s.hidden + upcast,
+        "logits": 2 * 4 * HEAD_CHUNK + 4 * s.vocab * s.hidden * (not lora_rank) + upcast,
         "logprob_pass": (logprob_batch * T * s.hidden * a * 8 + 2 * 4 * HEAD_CHUNK + upcast) * bool(logprob_batch),
         "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2 + (2 * P if fsdp else 0),
         "optimizer_step": 4 * trained / shard,
@@ -177,8 +186,23 @@ def lora_table() -> str:
     return "\n".join(rows)
 
 
-def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: int = 96,
-            lora_rank: int = 0) -> None:
+def peak_rss(reset: bool = False) -> int:
+    """This process's peak RSS (VmHWM) in bytes; `reset` starts a new peak from the RSS now."""
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+
+def measure(lora_rank: int, steps: int) -> None:
+    """`measured` in a child process of its own (see the module docstring)."""
+    env = os.environ | {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
+    cmd = [sys.executable, __file__, "--child", "--lora", str(lora_rank), "--steps", str(steps)]
+    subprocess.run(cmd, env=env, check=True)
+
+
+def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
+             response: int = 96) -> None:
     """Train a random-init Qwen2.5-0.5B-shaped model (its real vocabulary size; random token ids, so no tokenizer is
     needed) for a few AdamW steps through grpo.update_policy on this CPU, float32 compute, gradient checkpointing on
     (so rows run whole, as under FSDP), and compare peak RSS with the formula's CPU figure plus the process's RSS
@@ -192,8 +216,10 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
     from config import Config
     from rollout import Rollouts, checkpoint_activations
 
-    torch.set_num_threads(2)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # imports done: the interpreter's own share
+    if lora_rank:  # peft's share of the process is counted in the process before the model
+        importlib.import_module("peft")
+    torch.set_num_threads(1)
+    base = peak_rss()  # imports done: the interpreter's own share
     s = SHAPES["Qwen/Qwen2.5-0.5B"]
     model = AutoModelForCausalLM.from_config(Qwen2Config(
         vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
@@ -211,6 +237,7 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
     cfg = Config()
     cfg.model.gradient_checkpointing, cfg.optim.micro_batch_size = True, micro_batch
     optimizer = torch.optim.AdamW(trained, lr=1e-6)
+    peak_rss(reset=True)  # random init's temporaries (~0.5 GB above the model) are not training's
     B, L = 2 * micro_batch, prompt + response
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
@@ -223,7 +250,7 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
                          entropy=torch.zeros(B), replayed=torch.zeros(B, dtype=torch.bool), onpolicy=torch.ones(B, dtype=torch.bool),
                          slot=torch.full((B,), -1))
         _, _, reasons, _ = grpo.update_policy(cfg, model, model, optimizer, batch, torch.device("cpu"))
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_rss()
         print(f"step {step + 1}: {reasons[0] or 'ok'}, {time.time() - t0:.0f} s, peak RSS {peak / GB:.2f} GB")
     e = estimate(s, gpus=1, fsdp=False, micro_batch=micro_batch, gen_batch=0, prompt=prompt, response=response,
                  act_bytes=4, lora_rank=lora_rank)
@@ -236,15 +263,18 @@ def measure(steps: int = 3, micro_batch: int = 4, prompt: int = 32, response: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", action="store_true", help="run the CPU measurement instead of printing the table")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="2: AdamW's state exists from step 2 on")
     ap.add_argument("--lora", type=int, default=0, help="--measure with LoRA adapters of this rank")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.measure:
-        measure(a.steps, lora_rank=a.lora)
-        return
-    print(paper_table())
-    print()
-    print(lora_table())
+    if a.child:
+        measured(a.steps, a.lora)
+    elif a.measure:
+        measure(a.lora, a.steps)
+    else:
+        print(paper_table())
+        print()
+        print(lora_table())
 
 
 if __name__ == "__main__":
