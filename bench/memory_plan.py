@@ -2,8 +2,8 @@
 
 Usage:
   python bench/memory_plan.py                      # the README table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
-  python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model trained on
-                                                   # this CPU: peak RSS against the formula (~11 GB of RAM)
+  python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model
+                                                   # trained on this CPU: peak RSS vs the formula
   python bench/memory_plan.py --measure --lora 32  # the same with rank-32 adapters on a frozen base
 
 The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N GPUs sharing them under fsdp):
@@ -29,12 +29,12 @@ LoRA (model.lora.rank r > 0; P_A = r · Σ (fan-in + fan-out) over the linear la
   generation as above.
 Training, the no-grad passes, generation and the optimizer step do not overlap in time: the peak is the resident training state
 (weights, gradients, optimizer) plus the largest of the four phases (the optimizer step is one). Not counted: the CUDA context and allocator
-fragmentation (plan 2-4 GB of headroom per GPU); under LoRA with optim.epochs > 1, the gate's float32
-gradient of the frozen output layer and its sum (2·4·V·H; no paper config sets epochs).
---measure runs each configuration in a child process of its own, on one thread, with glibc's mmap
-threshold fixed at 128 KiB: by default glibc raises that threshold up to 32 MiB as blocks are freed and
-keeps the freed layer-sized blocks in its heap (1.1-1.3 GB of free heap during a LoRA step, mallinfo2),
-so the RSS would count the CPU allocator's fragmentation, not the tensors the formula counts.
+fragmentation (plan 2-4 GB of headroom per GPU); under LoRA with optim.epochs > 1, the gate's
+float32 gradient of the frozen output layer and its sum (2·4·V·H; no paper config sets epochs).
+--measure runs each configuration in a child process of its own, on one thread, with glibc's
+mmap threshold fixed at 128 KiB: by default glibc raises that threshold up to 32 MiB as blocks are
+freed, then keeps freed layer-sized blocks in its heap (1.1-1.3 GB of free heap during a LoRA
+step, mallinfo2), so the RSS would count the CPU allocator's fragmentation, not the tensors.
 """
 
 from __future__ import annotations
@@ -236,7 +236,9 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
           f"{s.lora_params(lora_rank) / 1e6:.1f} M of adapters); trained: {n_trained / 1e6:.1f} M")
     cfg = Config()
     cfg.model.gradient_checkpointing, cfg.optim.micro_batch_size = True, micro_batch
-    optimizer = torch.optim.AdamW(trained, lr=1e-6)
+    # foreach as torch picks on a GPU: on the CPU it defaults to a per-tensor loop whose
+    # temporaries are one parameter's, not the formula's 4·P
+    optimizer = torch.optim.AdamW(trained, lr=1e-6, foreach=True)
     peak_rss(reset=True)  # random init's temporaries (~0.5 GB above the model) are not training's
     B, L = 2 * micro_batch, prompt + response
     g = torch.Generator().manual_seed(0)
