@@ -301,8 +301,7 @@ def _quick_equal(pred, gold, rel_tol):  # True/False if decidable without sympy;
         return None
     if re.search(r"/0+( |$)", pred + " " + gold):
         return None
-    a = _fraction(pred)
-    b = _fraction(gold)  # a decimal is an approximation, as Floats are in the worker
+    a, b = _fraction(pred), _fraction(gold)  # a decimal approximates, as Floats do in the worker
     if "." in pred + gold:
         return abs(a - b) <= rel_tol * max(abs(a), abs(b))
     return a == b
@@ -376,7 +375,7 @@ def _to_python(s, names):
         num, cmd, word, sym = m.groups()
         tok = "\\" + cmd if cmd else sym
         fn = (cmd or word) in _APPLY
-        is_operand = num or word or cmd and tok not in _OPS
+        is_operand = num or word or (cmd and tok not in _OPS)
         if operand and not (is_operand and not fn or sym in tuple("^!([{")):
             while stack[-1][0] == "fn":  # \sin 2x + 1: the argument ends before the "+"
                 out.append(stack.pop()[3])
@@ -500,8 +499,7 @@ def _build(node, names):
     if t is ast.BinOp and op is ast.BitOr:  # \cup
         return sympy.Union(_as_set(sub(node.left)), _as_set(sub(node.right)))
     if t is ast.BinOp and op in _ARITH:
-        a = _expr(sub(node.left))
-        b = _expr(sub(node.right))
+        a, b = _expr(sub(node.left)), _expr(sub(node.right))
         return _pow(a, b) if op is ast.Pow else getattr(a, _ARITH[op])(b)
     if t is ast.UnaryOp and op in (ast.USub, ast.UAdd):
         x = _expr(sub(node.operand))
@@ -552,8 +550,7 @@ def _numeric_close(a, b, tol):
         for k in (1, 2):  # distinct, irrational-looking values in (0.25, 1.25)
             step = 0.7548776662 + 0.3141592 * k
             subs = {x: 0.25 + ((i + 1) * step) % 1 for i, x in enumerate(syms)}
-            x = a.evalf(30, subs=subs)
-            y = b.evalf(30, subs=subs)
+            x, y = a.evalf(30, subs=subs), b.evalf(30, subs=subs)
             if not (x.is_number and y.is_number and x.is_finite and y.is_finite):
                 return None  # compare sympy Floats: 1e1989 must not overflow to inf == inf
             if not bool(abs(x - y) <= tol * max(abs(x), abs(y)) + 1e-15):
@@ -664,8 +661,7 @@ def _same_rel(g, p, tol):
         # 2x+4y-3=0 is y=-x/2+3/4
         ratio = sympy.simplify((_expr(l1) - _expr(r1)) / (_expr(l2) - _expr(r2)))
         return bool(ratio.is_number and ratio.is_finite and ratio != 0)
-    g = _oriented(g)
-    p = _oriented(p)
+    g, p = _oriented(g), _oriented(p)
     flipped = _Rel(tuple(-_expr(x) for x in p.parts[::-1]), p.ops[::-1])  # -5 < -x < -2: 2 < x < 5
     for c in (p, flipped):
         if c.ops == g.ops and all(map(same, g.parts, c.parts)):
@@ -694,8 +690,7 @@ def _same(g, p, tol):
     same = partial(_same, tol=tol)
     try:
         if isinstance(g, str):
-            g = _parse(g)
-            p = _parse(p)
+            g, p = _parse(g), _parse(p)
         if _is_eq(p) and not isinstance(g, _Rel):
             p = p.parts[-1]  # "x = 2 + 3 = 5" answers 5
         elif _is_eq(g) and not isinstance(p, _Rel) and any(map(_is_name, g.parts[:-1])):
@@ -708,14 +703,12 @@ def _same(g, p, tol):
         if g_tuples:
             p = _solutions(p)
         if isinstance(g, sympy.Set) or isinstance(p, sympy.Set):
-            g = _as_set(g)
-            p = _as_set(p)
+            g, p = _as_set(g), _as_set(p)
             if g == p:
                 return True
             return type(g) is type(p) and same(_set_parts(g), _set_parts(p))
         if isinstance(g, list) or isinstance(p, list):
-            xs = _items(g)
-            ys = _items(p)
+            xs, ys = _items(g), _items(p)
             if isinstance(g, tuple) or isinstance(p, tuple):  # a tuple fixes the order
                 return len(xs) == len(ys) and all(map(same, xs, ys))
             every_x = all(any(same(x, y) for y in ys) for x in xs)
