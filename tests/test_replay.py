@@ -11,7 +11,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from config import load_config
+from config import ConfigError, load_config, validate
 from data.loaders import Problem
 from grpo import group_advantages
 from replay import STRATEGIES, Replay, ReplayConfig, make_replay
@@ -68,6 +68,15 @@ def buffer(strategy, *, seed=0, max_len=MAX_LEN, entropy=token_entropy, **kw):
     if not kw.get("rlep_source"):
         assert buf.start([], [], None, None, entropy) == 0
     return buf
+
+
+def rejected(**kw):
+    """config.validate's one-line message for these replay keys (validation happens there alone)."""
+    cfg = load_config(None, [])
+    cfg.replay = ReplayConfig(**kw)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    return str(e.value)
 
 
 def push(buf, batch, step):
@@ -352,8 +361,8 @@ def test_rlep_phase_one_store_is_fixed(tmp_path):
     assert all(c in [store.completion(i) for i in range(5)] for c in completions)
     push(buf, buf.sample(mixed, 1), 1)
     assert len(buf) == 5 and buf.valid.sum() == 0  # phase II never adds to a phase-I store
-    with pytest.raises(ValueError, match="replay.rlep_source must be empty: it is read by rlep only, got "):
-        buffer("aper", rlep_source="solutions.jsonl")
+    message = rejected(strategy="aper", rlep_source="solutions.jsonl")
+    assert message.startswith("replay.rlep_source must be empty: it is read by rlep only, got ")
 
 
 # ---------------------------------------------------------------- exgrpo, as released
@@ -371,7 +380,7 @@ def test_exgrpo_mixed_group_is_one_stored_success_plus_g_minus_one_fresh():
     buf = latched(ratio=0.5)
     push(buf, groups([10, 11], 4, born=1, correct=[1, 0, 0, 0, 1, 1, 1, 1]), 1)  # 11 solved 4/4: retired, not stored
     assert buf.rows.prompt_idx[buf.valid].tolist() == [10]
-    slot = int(buf._stored()[0])
+    slot = int(buf.stored()[0])
 
     idx, counts = buf.plan([20, 21], 4, 2)  # n_exp = min(1 stored, int(0.5 · 2)) = 1: question 10 takes 21's place
     assert (idx, counts) == ([20, 10], [4, 3])
@@ -699,12 +708,12 @@ BAD_CONFIGS = [({"strategy": "fifo"}, "replay.strategy must be one of none, unif
                ({"strategy": "rlep", "rlep_n": 0}, "replay.rlep_n must be ≥ 1, got 0"),
                ({"strategy": "uniform", "max_age": -1}, "replay.max_age must be ≥ 0"),
                ({"advantage": "fresh"}, "replay.advantage must be stored or recompute, got 'fresh'"),
-               ({"capacity": 0}, "replay.capacity must be ≥ 1, got 0")]  # fmt: skip
+               ({"capacity": 0}, "replay.capacity must be ≥ 1, got 0"),
+               ({"module": "no_such_module"}, "replay.module must be a module name on sys.path"),
+               ({"module": "replay.py"}, "replay.module must be a module name on sys.path")]  # fmt: skip
 
 
 @pytest.mark.parametrize("bad,message", BAD_CONFIGS)
 def test_bad_config_is_rejected(bad, message):
     assert not all(ok for ok, _ in ReplayConfig(**bad).check().values())
-    with pytest.raises(ValueError) as e:
-        make_replay(ReplayConfig(**bad), max_len=MAX_LEN, pad_id=PAD, seed=0)
-    assert str(e.value).startswith(message)
+    assert rejected(**bad).startswith(message)

@@ -1,63 +1,41 @@
-"""A replay strategy defined in this file alone, registered without editing any other file, and run through train.py
-in this process: PER-style replay whose priorities learn from the replayed rows' new advantages."""
+"""A replay strategy defined outside replay.py (tests/per_feedback.py), registered without editing
+any other file, and run through train.py from the command line with --replay.module: PER-style
+replay whose priorities learn from the replayed rows' new advantages."""
 
+import importlib
 import json
 import math
-import signal
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_replay import MAX_LEN, PAD, push, replayed, rollouts
+from test_replay import MAX_LEN, PAD, push, rejected, replayed, rollouts
 
-from replay import STRATEGIES, Replay, ReplayConfig, make_replay
-from rollout import Rollouts
+from replay import STRATEGIES, ReplayConfig, make_replay
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def per_feedback():
-    """Define the strategy (defining it registers it), then forget it after the test: tests/test_smoke.py runs every
-    strategy registered when it is collected in a subprocess of train.py, which would not know this one."""
-
-    class PerFeedbackReplay(Replay):
-        """per_feedback: fresh rows are stored with priority |A| + priority_eps; each update batch adds
-        k = round(ratio · n_fresh) rows drawn with replacement ∝ priority; after the update, every replayed row's priority
-        becomes |A| + priority_eps of its advantage in that batch (new with replay.advantage=recompute), as prioritized
-        experience replay updates the priorities of the transitions it just learned from."""
-
-        name, METRICS = "per_feedback", ("rescored",)
-
-        @staticmethod
-        def check(cfg):
-            return {"ratio": (0 <= cfg.ratio <= 4, "in [0, 4] for per_feedback (replayed rows per fresh row)"),
-                    "priority_eps": (0 < cfg.priority_eps < 1e6, "> 0")}
-
-        def sample(self, fresh, step):
-            k = min(round(self.cfg.ratio * len(fresh)), len(self))
-            weight = torch.where(self.valid, self.score, 0.0)  # (C,)
-            slots = torch.multinomial(weight, k, replacement=True, generator=self.gen) if k else torch.zeros(0, dtype=torch.long)
-            return Rollouts.cat([fresh, self._read(slots, fresh)], self.pad_id)
-
-        def push(self, batch, step, entropy):
-            again = batch.select(batch.replayed)  # feedback first: the write below may reuse these slots for new rows
-            self.score[again.slot] = again.advantage.abs() + self.cfg.priority_eps
-            fresh = batch.select(~batch.replayed)
-            self._write(fresh, fresh.advantage.abs() + self.cfg.priority_eps)
-            self.last |= {"rescored": float(len(torch.unique(again.slot)))}
-
-    yield PerFeedbackReplay
-    del STRATEGIES[PerFeedbackReplay.name]
+    """Import the strategy's file (defining the class registers it), then forget it after the test:
+    tests/test_smoke.py runs every strategy of replay.py, and test_replay.py's built-in list is
+    read when it is collected."""
+    yield importlib.import_module("per_feedback").PerFeedbackReplay
+    del STRATEGIES["per_feedback"]
+    del sys.modules["per_feedback"]
 
 
 def test_defining_the_class_registers_it_with_its_own_checks(per_feedback):
-    assert STRATEGIES["per_feedback"] is per_feedback and per_feedback.__module__ == __name__
+    assert STRATEGIES["per_feedback"] is per_feedback and per_feedback.__module__ == "per_feedback"
     rules = ReplayConfig(strategy="per_feedback", ratio=5.0).check()
-    assert {"strategy", "capacity", "advantage", "rlep_source", "ratio", "priority_eps"} <= set(rules)  # shared + its own
+    assert {"strategy", "capacity", "advantage", "rlep_source", "ratio", "priority_eps"} <= set(rules)
     assert rules["strategy"][0] and not rules["ratio"][0]
-    with pytest.raises(ValueError, match=r"replay.ratio must be in \[0, 4\] for per_feedback \(replayed rows per fresh row\), got 5.0"):
-        make_replay(ReplayConfig(strategy="per_feedback", ratio=5.0), max_len=MAX_LEN, pad_id=PAD, seed=0)
+    message = "replay.ratio must be in [0, 4] for per_feedback (replayed rows per fresh row), got 5.0"
+    assert rejected(strategy="per_feedback", ratio=5.0) == message
 
 
 def test_feedback_rescores_exactly_the_replayed_slots(per_feedback):
@@ -84,31 +62,30 @@ def test_feedback_rescores_exactly_the_replayed_slots(per_feedback):
     assert buf.metrics()["replay/rescored"] == float(len(changed))
 
 
-def test_custom_strategy_runs_through_train(per_feedback, tmp_path, monkeypatch):
+def test_custom_strategy_runs_through_train_from_the_command_line(tmp_path):
+    """The README's command: train.py in a subprocess imports the strategy's module by name."""
     if not (REPO / "data" / "tiny_model" / "config.json").exists():
         pytest.skip("data/tiny_model not built (python -m data.build_tiny_model)")
-    import train
-    from config import load_config, validate
-
-    monkeypatch.chdir(REPO)  # configs/tiny.yaml names data/tiny_model relative to the repository
-    cfg = load_config("configs/tiny.yaml", [
-        "--replay.strategy=per_feedback", "--max_steps=3", "--rollout.batch_size=32", "--rollout.group_size=4",
-        "--eval.n=8", "--eval.k=1", "--checkpoint.every=0", "--wandb.mode=disabled", "--threads=1",
-        f"--out_dir={tmp_path / 'run'}", "--replay.advantage=recompute"])  # fmt: skip
-    validate(cfg)
-    handlers, threads = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)), torch.get_num_threads()
-    try:  # train() installs its own signal handlers and thread count: give them back to pytest
-        assert train.train(cfg) == 0
-    finally:
-        signal.signal(signal.SIGTERM, handlers[0]), signal.signal(signal.SIGINT, handlers[1])
-        torch.set_num_threads(threads)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", f"--out_dir={out}",
+           "--replay.module=per_feedback", "--replay.strategy=per_feedback", "--max_steps=3",
+           "--replay.advantage=recompute", "--rollout.batch_size=32", "--rollout.group_size=4",
+           "--eval.n=8", "--eval.k=1", "--checkpoint.every=0", "--wandb.mode=disabled",
+           "--threads=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[0]["replay/rows"] == 0 and rows[0]["replay/rescored"] == 0.0  # nothing stored before the first push
+    assert rows[0]["replay/rows"] == 0 and rows[0]["replay/rescored"] == 0.0  # nothing stored yet
     assert any(r["replay/rows"] > 0 for r in rows) and any(r["replay/rescored"] > 0 for r in rows)
     assert all(r["replay/rescored"] <= r["replay/rows"] for r in rows)
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["strategy"] == "per_feedback"
+    assert json.loads((out / "summary.json").read_text())["strategy"] == "per_feedback"
+    cmd[cmd.index("--replay.module=per_feedback")] = "--replay.module=per_feedbak"
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("error: replay.module must be a module name on sys.path"), p.stderr
 
 
 def test_registered_only_while_its_tests_run():
-    assert "per_feedback" not in STRATEGIES
+    assert "per_feedback" not in STRATEGIES and "per_feedback" not in sys.modules
