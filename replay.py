@@ -297,12 +297,14 @@ class Replay:
         self.last["reuse_max"] = reuse_max
 
     def _recomputed(self, rows: Rollouts, fresh: Rollouts) -> torch.Tensor:
-        """Advantage of each replayed row against its prompt's current rewards (see the module docstring)."""
+        """Each replayed row's advantage against its prompt's current rewards (module docstring)."""
         out = rows.advantage.clone()
         for i, p in enumerate(rows.prompt_idx.tolist()):
             in_batch = fresh.prompt_idx == p
-            ref = (torch.cat([fresh.reward[in_batch], rows.reward[i : i + 1]]) if in_batch.any()  # the row joins
-                   else self.rows.reward[self.valid & (self.rows.prompt_idx == p)]).double()
+            if in_batch.any():  # the row joins its prompt's fresh group
+                ref = torch.cat([fresh.reward[in_batch], rows.reward[i : i + 1]])
+            else:  # the prompt's rows in the buffer
+                ref = self.rows.reward[self.valid & (self.rows.prompt_idx == p)]
             s = group_stats(ref, torch.zeros(len(ref), dtype=torch.long))  # one group
             spread = len(ref) >= 2 and s.std[0].item() > 1e-6
             if spread or in_batch.any():  # a group without spread gives 0, as grpo's does
@@ -702,8 +704,8 @@ def _completion(rows: Rollouts, i: int) -> tuple:
 class GroupReplay(Replay):
     """group (zero-variance group substitution, the idea of TRL's GRPOWithReplayBufferTrainer, PR
     #4060): whole informative groups (reward spread > 0) are stored with their advantages, priority
-    Σ_i |A_i| · std(r), and evicted after tau_max steps; each zero-variance fresh group of the update
-    is replaced by a stored group, drawn ∝ priority without replacement (as many as are stored).
+    Σ_i |A_i| · std(r), and evicted after tau_max steps; each zero-variance fresh group of the
+    update is replaced by a stored group, drawn ∝ priority without replacement (while any is left).
     Replayed rows keep their advantages and take the usual off-policy correction. A group the ring
     overwrites in part is dropped whole."""
 
@@ -717,31 +719,35 @@ class GroupReplay(Replay):
     def push(self, batch, step, entropy):
         fresh = batch.select(~batch.replayed)
         s = group_stats(fresh.reward, fresh.group)
-        ids, inv, std = s.ids, s.index, s.std
-        priority = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, fresh.advantage.abs().double()) * std
-        keep = (std > 0)[inv]
-        size = torch.bincount(inv, minlength=len(ids)) * (std > 0)  # (K,) rows each group would store
-        fits = (size.flip(0).cumsum(0).flip(0) <= len(self.valid))[inv]  # the last groups that fit whole
-        self.evicted["capacity"] += int((keep & ~fits).sum())
-        keep &= fits
-        next_slots = (self.head + torch.arange(min(int(keep.sum()), len(self.valid)))) % len(self.valid)
+        informative = s.std > 0  # (K,)
+        priority = group_stats(fresh.advantage.abs(), fresh.group).total * s.std  # (K,)
+        size = s.count.long() * informative  # (K,) rows each group would store
+        fits = size.flip(0).cumsum(0).flip(0) <= len(self.valid)  # (K,) the last groups that fit
+        keep = informative[s.index]
+        self.evicted["capacity"] += int((keep & ~fits[s.index]).sum())
+        keep &= fits[s.index]
+        C = len(self.valid)
+        next_slots = (self.head + torch.arange(min(int(keep.sum()), C))) % C
         overwritten = self.rows.group[next_slots][self.valid[next_slots]]
-        self.evict(torch.isin(self.rows.group, overwritten), "capacity")  # never keep part of a group
-        self.write(fresh.select(keep), priority[inv][keep])
+        self.evict(torch.isin(self.rows.group, overwritten), "capacity")  # never part of a group
+        self.write(fresh.select(keep), priority[s.index][keep])
 
     def sample(self, fresh, step):
         self.evict(step - self.rows.born > self.cfg.tau_max, "age")
         s = group_stats(fresh.reward, fresh.group)
-        ids, std = s.ids, s.std
+        flat = s.ids[s.std == 0]  # (F,) the zero-variance fresh groups
         stored = self.stored()
         groups, first = torch.unique(self.rows.group[stored], return_inverse=True)
         priority = torch.zeros(len(groups)).scatter_(0, first, self.score[stored])
-        m = min(int((std == 0).sum()), len(groups))
-        take = groups[torch.multinomial(priority, m, replacement=False, generator=self.gen)] if m else groups[:0]
-        drop = ids[std == 0][:m]
+        m = min(len(flat), len(groups))
+        take = groups[:0]
+        if m:
+            take = groups[torch.multinomial(priority, m, replacement=False, generator=self.gen)]
         replayed = self.read(stored[torch.isin(self.rows.group[stored], take)], fresh)
-        self.last |= {"groups_replaced": float(m), "flat_groups": float((std == 0).sum())}
-        return Rollouts.cat([fresh.select(~torch.isin(fresh.group, drop)), replayed], self.pad_id)
+        self.last["groups_replaced"] = float(m)
+        self.last["flat_groups"] = float(len(flat))
+        kept = fresh.select(~torch.isin(fresh.group, flat[:m]))
+        return Rollouts.cat([kept, replayed], self.pad_id)
 
 
 def row_bytes(max_len: int) -> int:
@@ -760,5 +766,5 @@ def buffer_bytes(cfg: ReplayConfig, max_len: int) -> int:
 
 
 def make_replay(cfg: ReplayConfig, max_len: int, pad_id: int, seed: int) -> Replay:
-    """The buffer for `cfg.strategy` (config.validate checked `cfg`), its sampler seeded from `seed`."""
+    """The buffer for `cfg.strategy` (config.validate checked `cfg`); its sampler's seed `seed`."""
     return STRATEGIES[cfg.strategy](cfg, max_len, pad_id, seed)
