@@ -19,17 +19,13 @@ rewards or no spread. Rows that join fresh groups (rlep, exgrpo) get advantages 
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import math
-import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 
-from data.loaders import PARSED_BYTES, json_line, jsonl_rows, machine_memory, open_regular
+from data.solutions import file_sha256, read_rlep_source, rlep_generated_tokens
 from grpo import group_stats
 from rollout import Rollouts, pack
 from util import all_ranks
@@ -440,14 +436,6 @@ class PhaseOne:
         return out
 
 
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class RlepReplay(Replay):
     """rlep: a store of verified-correct answers; before advantages, up to `rlep_n` random successes
     of the same prompt join each fresh group (onpolicy: their log-probs count as the current
@@ -530,71 +518,6 @@ class RlepReplay(Replay):
         if d["source_sha256"] != sha:
             raise ValueError(f"replay.rlep_source {self.cfg.rlep_source} is not the file this run "
                              "started from (its sha256 differs)")
-
-
-def read_rlep_source(path: str, problems: list, tokenizer, max_new_tokens: int) -> list[tuple]:
-    """RLEP phase I's solutions in `path` as (prompt index, completion ids), every field checked:
-    ValueError naming file, line and field. Rows as eval.py --save-correct writes them
-    ({"problem": text or "prompt_idx": i, "completion_ids": [...], "behav_logp": [...]}), the
-    sampled tokens replayed exactly; a text-only row ({"completion": text}) is tokenized, the end
-    token appended. A row over max_new_tokens is refused: cut, it is not the verified answer."""
-    by_problem = {p.problem: i for i, p in enumerate(problems)}
-    vocab = len(tokenizer) if tokenizer is not None else 2**63  # (None: every row carries its ids)
-    size = os.stat(path).st_size if os.path.exists(path) else 0
-    if size * PARSED_BYTES > machine_memory():
-        raise ValueError(f"{path} is {size / 2**30:.1f} GB, more than this machine holds parsed")
-    rows = []
-    for n, r in jsonl_rows(path):
-        where = f"{path}:{n}"
-        i = r.get("prompt_idx")
-        if i is None and not isinstance(r.get("problem"), str):
-            raise ValueError(f"{where}: problem must be its text (or prompt_idx its index)")
-        i = by_problem.get(r["problem"]) if i is None else i
-        if i is None:
-            raise ValueError(f"{where}: problem is not among the training problems (data.train)")
-        if type(i) is not int or not 0 <= i < len(problems):
-            raise ValueError(f"{where}: prompt_idx must be an integer in [0, {len(problems)}), "
-                             f"got {_short(i)}")
-        ids = r.get("completion_ids")
-        if ids is None and isinstance(r.get("completion"), str) and r["completion"]:
-            ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
-            ids.append(tokenizer.eos_token_id)
-        known = isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)
-        if not ids or not known:
-            raise ValueError(f"{where}: completion_ids must be a non-empty list of token ids in "
-                             f"[0, {vocab}) (or completion a text), got {_short(ids)}")
-        lp = r.get("behav_logp", [])
-        if not isinstance(lp, list) or not all(_log_prob(x) for x in lp):
-            raise ValueError(f"{where}: behav_logp must be a list of log-probabilities (numbers "
-                             f"≤ 0), got {_short(lp)}")
-        if len(ids) > max_new_tokens:
-            raise ValueError(f"{where}: completion_ids holds {len(ids)} tokens, over "
-                             f"rollout.max_new_tokens ({max_new_tokens}): it would be cut")
-        rows.append((i, ids))
-    if not rows:
-        raise ValueError(f"replay.rlep_source {path} holds no solutions")
-    return rows
-
-
-def rlep_generated_tokens(path: str) -> int:
-    """The tokens phase I generated, from `<path>.meta.json` (0 without one)."""
-    meta = Path(path + ".meta.json")
-    if not meta.exists():
-        return 0
-    with open_regular(meta, 1 << 20) as f:
-        d = json_line(f.read(), meta, 1) or {}
-    n = d.get("generated_tokens", 0)
-    if type(n) is not int or n < 0:
-        raise ValueError(f"{meta}: generated_tokens must be an integer ≥ 0, got {_short(n)}")
-    return n
-
-
-def _log_prob(x) -> bool:
-    return type(x) in (int, float) and -math.inf < x <= 0
-
-
-def _short(value) -> str:
-    return json.dumps(value)[:40]
 
 
 class ExgrpoReplay(Replay):
