@@ -27,7 +27,7 @@ import torch
 
 from data.solutions import file_sha256, read_rlep_source, rlep_generated_tokens
 from grpo import group_stats
-from rollout import Rollouts, pack
+from rollout import Rollouts, Row, pack
 from util import all_ranks
 
 STRATEGIES: dict[str, type[Replay]] = {}
@@ -427,7 +427,8 @@ class PhaseOne:
         for i in rows.tolist():
             prompt = prompts[int(self.prompt_idx[i])]
             seq = prompt + self.completion(i)
-            parts.append((seq, len(prompt), [0.0] * (len(seq) - len(prompt)), False, 0.0))
+            logp = [0.0] * (len(seq) - len(prompt))
+            parts.append(Row(ids=seq, prompt_len=len(prompt), logp=logp, truncated=False, entropy=0.0))
         out = pack(parts, pad_id, self.prompt_idx[rows], torch.full((n,), -1), 0)
         out.reward = torch.full((n,), reward)
         out.correct = torch.ones(n, dtype=torch.bool)

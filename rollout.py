@@ -1,16 +1,14 @@
-"""The policy model and its rollouts: loading (one way, for train.py and eval.py), prompts as token ids, and G
-completions per prompt from Hugging Face `generate` with their behaviour log-probs.
+"""The policy model and its rollouts: loading and saving (for train.py and eval.py), prompts as
+token ids, and G completions per prompt from Hugging Face `generate` with their behaviour log-probs.
 
-A batch of rollouts lives in one typed container, `Rollouts`: every row is `prompt | completion | right padding`,
-so the training forward needs no position-id tricks and the replay buffer stores a row as it is.
+A batch of rollouts is one `Rollouts`: every row is `prompt | completion | right padding`, so the
+training forward needs no position-id tricks and the replay buffer stores a row as it is.
 
-What is sampled is defined by our config alone (temperature, top-p, top-k): the model's own generation_config
-(repetition penalty, no-repeat n-grams, bad words, min length, its sampling defaults) is set aside for the call, so
-the distribution sampled is the one the loss's log-probs describe. One logits processor applies it and records the
-behaviour log-probs and the sampling entropy while sampling: no extra pass. A completion ends at its first end token
-(kept: the model must learn to stop): the tokenizer's eos, any id in the model's generation_config.eos_token_id, the
-chat template's end-of-turn token when the template is applied, or `rollout.stop_tokens`; `truncated` means none
-of them came within max_new_tokens.
+Our config alone defines what is sampled (temperature, top-p, top-k): the model's generation_config
+is set aside for the call, so the loss's log-probs describe the distribution sampled. One logits
+processor applies it and records the behaviour log-probs and the sampling entropy: no extra pass.
+A completion ends at its first end token (kept: the model must learn to stop), any of `end_ids`;
+`truncated` means none came within max_new_tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 import torch
@@ -48,21 +47,22 @@ class RolloutConfig:
     group_size: int = 8
     """Completions sampled per prompt (G); advantages are relative within a group."""
     max_new_tokens: int = 48
-    """Generation length cap; a completion that reaches it without an end token is truncated and flagged."""
+    """Generation length cap; a completion that reaches it without an end token is truncated."""
     temperature: float = 1.0
     """Sampling temperature; log-probs in the loss use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling; behaviour log-probs are of the truncated distribution actually sampled."""
     top_k: int = 0
-    """Sample among the k most likely tokens only (0 = off); behaviour log-probs are of that distribution."""
+    """Sample among the k most likely tokens only (0 = off); log-probs are of that distribution."""
     gen_batch_size: int = 256
-    """Sequences per HF `generate` call (memory knob for generation; a call may mix several prompts' groups)."""
+    """Sequences per HF `generate` call (memory knob; a call may mix several prompts' groups)."""
     stop_tokens: list[str] = field(default_factory=list)
-    """Extra end tokens (each one token of the vocabulary), besides eos, generation_config's and the end of turn."""
+    """Extra end tokens (each one token of the vocabulary), besides eos and the end of turn."""
     mask_truncated: bool = False
-    """Leave truncated rows out of the loss (DAPO's overlong filtering); they still count in their group's advantage."""
+    """Leave truncated rows out of the loss (DAPO's overlong filtering); their group counts them."""
     dynamic_sampling: int = 0
-    """DAPO's dynamic sampling: up to this many generation rounds a step, keeping groups with a reward spread."""
+    """DAPO's dynamic sampling: up to this many generation rounds a step, keeping groups with a
+    reward spread."""
     engine: str = "hf"
     """What samples: `hf` (HF generate, the reference loop) or `vllm` (vllm_engine.py)."""
     vllm_gpu_memory_utilization: float = 0.3
@@ -74,43 +74,47 @@ class RolloutConfig:
 
     def check(self) -> dict[str, tuple[bool, str]]:
         G, n = self.group_size, self.batch_size
-        return {"group_size": (G >= 2, "≥ 2 (GRPO compares completions in a group)"),
-                "batch_size": (n > 0 and G > 0 and n % G == 0, f"a positive multiple of rollout.group_size ({G})"),
-                "max_new_tokens": (self.max_new_tokens > 0, "> 0"), "temperature": (0 < self.temperature < 1e6, "> 0"),
-                "top_p": (0 < self.top_p <= 1, "in (0, 1]"), "top_k": (self.top_k >= 0, "≥ 0 (0 = off)"),
-                "gen_batch_size": (self.gen_batch_size > 0, "> 0"),
-                "dynamic_sampling": (self.dynamic_sampling >= 0, "≥ 0 (0 = off)"),
-                "engine": (self.engine in ("hf", "vllm"), "hf or vllm"),
-                "vllm_gpu_memory_utilization": (0 < self.vllm_gpu_memory_utilization <= 1,
-                                                "in (0, 1]"),
-                "vllm_kv_cache_gb": (0 <= self.vllm_kv_cache_gb < 1e6, "≥ 0 (0 = automatic)")}
+        return {
+            "group_size": (G >= 2, "≥ 2 (GRPO compares completions in a group)"),
+            "batch_size": (n > 0 and G > 0 and n % G == 0,
+                           f"a positive multiple of rollout.group_size ({G})"),
+            "max_new_tokens": (self.max_new_tokens > 0, "> 0"),
+            "temperature": (0 < self.temperature < 1e6, "> 0"),
+            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+            "top_k": (self.top_k >= 0, "≥ 0 (0 = off)"),
+            "gen_batch_size": (self.gen_batch_size > 0, "> 0"),
+            "dynamic_sampling": (self.dynamic_sampling >= 0, "≥ 0 (0 = off)"),
+            "engine": (self.engine in ("hf", "vllm"), "hf or vllm"),
+            "vllm_gpu_memory_utilization": (0 < self.vllm_gpu_memory_utilization <= 1, "in (0, 1]"),
+            "vllm_kv_cache_gb": (0 <= self.vllm_kv_cache_gb < 1e6, "≥ 0 (0 = automatic)"),
+        }
 
 
-DTYPES = dict.fromkeys(("reward", "advantage", "entropy"), torch.float32) | dict.fromkeys(
-    ("truncated", "correct", "replayed", "onpolicy"), torch.bool)  # of the per-row fields; the others are int64
+FLOAT_FIELDS = ("reward", "advantage", "entropy")  # of the per-row fields
+BOOL_FIELDS = ("truncated", "correct", "replayed", "onpolicy")  # (the others are int64)
 
 
 @dataclass
 class Rollouts:
-    """B sequences, each `prompt | completion | pad`, right-padded to length L. `behav_logp[b, t]` is
-    log μ(tokens[b, t] | tokens[b, :t]), 0 outside the completion; the per-row fields say where it came from and how
-    it scored."""
+    """B sequences, each `prompt | completion | pad`, right-padded to length L. `behav_logp[b, t]`
+    is log μ(tokens[b, t] | tokens[b, :t]), 0 outside the completion; the per-row fields say where
+    it came from and how it scored."""
 
     tokens: torch.Tensor  # (B, L) int64, pad id after seq_len
     prompt_len: torch.Tensor  # (B,) int64, number of prompt tokens (the completion starts there)
-    seq_len: torch.Tensor  # (B,) int64, prompt + completion tokens (the end token included when emitted)
+    seq_len: torch.Tensor  # (B,) int64, prompt + completion tokens (the end token included)
     behav_logp: torch.Tensor  # (B, L) float32, behaviour-policy log-prob of each completion token
     truncated: torch.Tensor  # (B,) bool, hit max_new_tokens before any end token
     prompt_idx: torch.Tensor  # (B,) int64, index of the prompt in the training set
-    group: torch.Tensor  # (B,) int64, rows with the same id share a prompt and form one GRPO group
+    group: torch.Tensor  # (B,) int64, rows with the same id share a prompt: one GRPO group
     born: torch.Tensor  # (B,) int64, training step at which the row was generated
     reward: torch.Tensor  # (B,) float32, scalar reward (rewards.py, plus overlong shaping when on)
     correct: torch.Tensor  # (B,) bool, verified-correct final answer
-    advantage: torch.Tensor  # (B,) float32, group-relative advantage (filled by grpo.group_advantages)
-    entropy: torch.Tensor  # (B,) float32, mean token entropy of the distribution the row was sampled from
-    replayed: torch.Tensor  # (B,) bool, came from the replay buffer rather than this step's generation
-    onpolicy: torch.Tensor  # (B,) bool, treat behaviour log-probs as the current policy's (fresh rows, RLEP)
-    slot: torch.Tensor  # (B,) int64, the replay buffer row a replayed row came from; -1 for fresh rows
+    advantage: torch.Tensor  # (B,) float32, group-relative advantage (grpo.group_advantages)
+    entropy: torch.Tensor  # (B,) float32, mean token entropy of the distribution sampled from
+    replayed: torch.Tensor  # (B,) bool, came from the replay buffer, not this step's generation
+    onpolicy: torch.Tensor  # (B,) bool, behaviour log-probs are the current policy's (fresh, RLEP)
+    slot: torch.Tensor  # (B,) int64, the replay buffer row a replayed row came from; -1 if fresh
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -118,9 +122,15 @@ class Rollouts:
     @staticmethod
     def empty(B: int, L: int, pad_id: int) -> Rollouts:
         """B blank rows of length L: pad tokens, zeros, False, slot -1."""
-        rows = {f.name: torch.full((B,), -(f.name == "slot"), dtype=DTYPES.get(f.name, torch.long))
-                for f in fields(Rollouts)}
-        return Rollouts(**rows | {"tokens": torch.full((B, L), pad_id), "behav_logp": torch.zeros(B, L)})
+        rows = {}
+        for f in fields(Rollouts):
+            dtype = torch.float32 if f.name in FLOAT_FIELDS else torch.long
+            if f.name in BOOL_FIELDS:
+                dtype = torch.bool
+            rows[f.name] = torch.full((B,), -(f.name == "slot"), dtype=dtype)
+        rows["tokens"] = torch.full((B, L), pad_id)
+        rows["behav_logp"] = torch.zeros(B, L)
+        return Rollouts(**rows)
 
     @property
     def completion_len(self) -> torch.Tensor:  # (B,)
@@ -131,31 +141,72 @@ class Rollouts:
         return (t >= self.prompt_len[:, None]) & (t < self.seq_len[:, None])
 
     def select(self, idx: torch.Tensor) -> Rollouts:
-        """Rows `idx` (index tensor or bool mask), trimmed to their longest sequence (no global-max padding)."""
+        """Rows `idx` (index tensor or bool mask), trimmed to their longest sequence."""
         rows = {f.name: getattr(self, f.name)[idx] for f in fields(self)}
         L = int(rows["seq_len"].max()) if len(rows["seq_len"]) else 1
-        return Rollouts(**rows | {"tokens": rows["tokens"][:, :L], "behav_logp": rows["behav_logp"][:, :L]})
+        rows["tokens"] = rows["tokens"][:, :L]
+        rows["behav_logp"] = rows["behav_logp"][:, :L]
+        return Rollouts(**rows)
 
     @staticmethod
     def cat(parts: list[Rollouts], pad_id: int) -> Rollouts:
         """Stack rows of several batches, right-padding token tensors to the longest."""
         L = max(p.tokens.shape[1] for p in parts)
+        rows = {}
+        for f in fields(Rollouts):
+            values = [getattr(p, f.name) for p in parts]
+            if values[0].dim() == 2:  # (b, l) -> (b, L)
+                fill = pad_id if f.name == "tokens" else 0
+                values = [torch.nn.functional.pad(v, (0, L - v.shape[1]), value=fill)
+                          for v in values]
+            rows[f.name] = torch.cat(values)
+        return Rollouts(**rows)
 
-        def pad(x, fill):
-            return torch.nn.functional.pad(x, (0, L - x.shape[1]), value=fill) if x.dim() == 2 else x
 
-        return Rollouts(**{f.name: torch.cat([pad(getattr(p, f.name), pad_id if f.name == "tokens" else 0)
-                                              for p in parts]) for f in fields(Rollouts)})
+class Row(NamedTuple):
+    """One sampled sequence, as `pack` takes it."""
+
+    ids: list[int]  # prompt + completion token ids
+    prompt_len: int
+    logp: list[float] | torch.Tensor  # behaviour log-prob of each completion token
+    truncated: bool  # no end token came within max_new_tokens
+    entropy: float  # mean token entropy of the distribution sampled
 
 
-def pack(rows: list, pad_id: int, prompt_idx: torch.Tensor, group: torch.Tensor, step: int) -> Rollouts:
-    """rows: (sequence ids, prompt length, completion log-probs, truncated, mean sampling entropy) → one Rollouts."""
-    ro = Rollouts.empty(len(rows), max(len(r[0]) for r in rows), pad_id)
-    for b, (seq, plen, lp, truncated, entropy) in enumerate(rows):
-        ro.tokens[b, : len(seq)], ro.behav_logp[b, plen : len(seq)] = torch.as_tensor(seq), torch.as_tensor(lp)
-        ro.prompt_len[b], ro.seq_len[b], ro.truncated[b], ro.entropy[b] = plen, len(seq), bool(truncated), entropy
-    ro.prompt_idx, ro.group, ro.born[:], ro.onpolicy[:] = prompt_idx.long(), group.long(), step, True
+def pack(rows: list[Row], pad_id: int, prompt_idx: torch.Tensor, group: torch.Tensor,
+         step: int) -> Rollouts:
+    """`rows` as one on-policy Rollouts born at `step`."""
+    ro = Rollouts.empty(len(rows), max(len(row.ids) for row in rows), pad_id)
+    for b, row in enumerate(rows):
+        end = len(row.ids)
+        ro.tokens[b, :end] = torch.as_tensor(row.ids)
+        ro.behav_logp[b, row.prompt_len : end] = torch.as_tensor(row.logp)
+        ro.prompt_len[b] = row.prompt_len
+        ro.seq_len[b] = end
+        ro.truncated[b] = bool(row.truncated)
+        ro.entropy[b] = row.entropy
+    ro.prompt_idx = prompt_idx.long()
+    ro.group = group.long()
+    ro.born[:] = step
+    ro.onpolicy[:] = True
     return ro
+
+
+def pack_groups(rows: list[Row], tokenizer, counts: list[int], prompt_idx, step: int,
+                group0: int | None) -> tuple[Rollouts, list[str]]:
+    """Both engines' result: `rows` (counts[i] adjacent rows of prompt i) packed, one group id per
+    prompt counted from `group0` (default step × prompts), and each completion's text before its
+    end token."""
+    n = len(counts)
+    group = (step * n if group0 is None else group0) + torch.arange(n)
+    idx = torch.tensor(prompt_idx if prompt_idx is not None else range(n))
+    reps = torch.tensor(counts)
+    texts = []
+    for row in rows:
+        completion = row.ids[row.prompt_len : len(row.ids) - (not row.truncated)]
+        texts.append(tokenizer.decode(completion, skip_special_tokens=True))
+    group = group.repeat_interleave(reps)
+    return pack(rows, tokenizer.pad_token_id, idx.repeat_interleave(reps), group, step), texts
 
 
 def load_model(path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
@@ -164,7 +215,7 @@ def load_model(path: str, trust_remote_code: bool = False, dtype: torch.dtype = 
     trust_remote_code; weights load from safetensors (transformers refuses pickled .bin files unless
     they load with weights_only). `meta`: the model is built on the meta device, without memory or
     weights (fill_from_rank0 brings them)."""
-    transformers.utils.logging.disable_progress_bar()  # one line per run, not a bar per file loaded or saved
+    transformers.utils.logging.disable_progress_bar()  # one line per run, not a bar per file
     folder = sorted(Path(path).iterdir()) if Path(path).is_dir() else []
     for f in folder:  # a FIFO would block its reader forever
         if not (f.is_file() or f.is_dir()):
@@ -208,38 +259,40 @@ def fill_from_rank0(model, path: str, device: torch.device, trust_remote_code: b
 
 
 def checkpoint_activations(model) -> None:
-    """Recompute activations in the backward pass (transformers 5.2x renamed gradient_checkpointing_enable)."""
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    """Recompute activations in the backward pass (transformers 5.2x renames the method)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
 
 
 def load_policy(cfg, path: str, device: torch.device, world: int):
     """The model to train (cfg is config.Config): (model, policy, tokenizer, ref, compute).
 
-    `model` is the HF module with float32 master weights, sharded in place under FSDP (one unit per decoder layer, as
-    HF's _no_split_modules lists them, then the root); generation, no-grad passes and saving use it. `policy` is what
-    the training forward goes through (model, compiled, or DDP-wrapped). `compute` is the bf16 autocast context when
-    bf16 compute is on without FSDP (FSDP casts through its mixed-precision policy: bf16 compute, float32 gradient
-    reduction). `ref` is the frozen reference of the KL term (beta > 0), which may live in bf16: it never changes.
-    Under LoRA (lora.py) `model` is the peft-wrapped base from model.path, frozen in the compute
-    dtype, with the adapters of checkpoint `path` (fresh ones when `path` has none), and `ref` is
-    `model` with its adapters off.
-    """
+    `model`: the HF module, float32 master weights, sharded in place under FSDP (a unit per decoder
+    layer, then the root); generation, no-grad passes and saving use it. `policy`: what the training
+    forward goes through (model, compiled, or DDP-wrapped). `compute`: bf16 autocast when bf16
+    compute is on without FSDP (FSDP casts through its mixed-precision policy). `ref`: the frozen KL
+    reference (beta > 0), bf16 with bf16 compute. Under LoRA `model` is the peft-wrapped base from
+    model.path with the adapters of checkpoint `path` (fresh when it has none), `ref` the same
+    module with its adapters off."""
     bf16 = cfg.model.compute_dtype == "bfloat16"
-    fsdp = cfg.model.parallel == "fsdp" and dist.is_initialized()  # under torchrun, even of one process
+    fsdp = cfg.model.parallel == "fsdp" and dist.is_initialized()  # torchrun, even of one process
     adapted = cfg.model.lora.rank > 0
     base_dtype = torch.bfloat16 if bf16 and adapted else torch.float32
-    trust, meta = cfg.model.trust_remote_code, world > 1 and not adapted  # rank 0 reads weights
+    trust = cfg.model.trust_remote_code
+    meta = world > 1 and not adapted  # rank 0 reads weights
     model, tokenizer = load_model(cfg.model.path if adapted else path, trust, base_dtype, meta)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(model)
         model.config.use_cache = False
-    ref, ref_dtype = None, torch.bfloat16 if bf16 else torch.float32
+    ref = None
+    ref_dtype = torch.bfloat16 if bf16 else torch.float32
     if cfg.grpo.beta > 0 and not adapted:
         ref = load_model(cfg.model.path, trust, ref_dtype, meta)[0]
     if adapted:
         saved = path if Path(path, "adapter_config.json").is_file() else None
         model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                              reduce_dtype=torch.float32)
     for m, source, dtype in [(model, path, torch.float32), (ref, cfg.model.path, ref_dtype)]:
         if m is None:
             continue
@@ -251,14 +304,18 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
             fill_from_rank0(m, source, device, trust, dtype)
         elif not fsdp:
             m.to(device)
-    ref.requires_grad_(False).eval() if ref is not None else None
+    if ref is not None:
+        ref.requires_grad_(False).eval()
     if cfg.grpo.beta > 0 and adapted:
         ref = lora.AdaptersOff(model)
     policy = torch.compile(model) if cfg.model.compile else model
     if world > 1 and not fsdp:  # buffers never change: forwards need no broadcast
         ids = None if device.index is None else [device.index]
-        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids, broadcast_buffers=False)
-    compute = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not fsdp else nullcontext()
+        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids,
+                                                           broadcast_buffers=False)
+    compute = nullcontext()
+    if bf16 and not fsdp:
+        compute = torch.autocast(device.type, dtype=torch.bfloat16)
     return model, policy, tokenizer, ref, compute
 
 
@@ -269,30 +326,42 @@ def save_model(model, tokenizer, folder: Path, state: dict | None = None,
     and each rank its trainer state to a temporary folder, fsync every file, rename it to `folder`.
     A failure on any rank (a full disk raises OSError, SafetensorError or RuntimeError alike)
     removes it and raises OSError on every rank."""
-    rank, tmp, error = dist.get_rank() if dist.is_initialized() else 0, folder.with_name(f".tmp_{folder.name}"), ""
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    tmp = folder.with_name(f".tmp_{folder.name}")
+    error = ""
     try:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)
-        dist.barrier() if dist.is_initialized() else None
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if distributed:
+            dist.barrier()
         write_weights(model, tokenizer, tmp, rank, state is None, dtype)
         if rank == 0 and optimizer is not None:
             torch.save(optimizer, tmp / "optimizer.pt")
-        torch.save(state, tmp / f"state_rank{rank}.pt") if state is not None else None
-        own = [tmp / f"state_rank{rank}.pt"] if state is not None else []  # each rank syncs its own files: the
-        written = [f for f in tmp.rglob("*") if not f.name.startswith("state_rank")]  # the others
-        own += written if rank == 0 else []
-        [fsync(f) for f in own]  # may still be writing theirs (and HF's temporary files come and go)
-    except Exception as e:  # noqa: BLE001 -- reported below, on every rank
+        own = []  # each rank syncs its own files: the others may still be writing theirs
+        if state is not None:
+            own.append(tmp / f"state_rank{rank}.pt")
+            torch.save(state, own[0])
+        if rank == 0:  # (and HF's temporary files come and go)
+            own += [f for f in tmp.rglob("*") if not f.name.startswith("state_rank")]
+        for f in own:
+            fsync(f)
+    except Exception as e:  # reported below, on every rank
         error = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
     failed = torch.tensor(float(bool(error)))
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX) if dist.is_initialized() else None
+    if distributed:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed:
-        shutil.rmtree(tmp, ignore_errors=True) if rank == 0 else None
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise OSError(f"{folder} could not be written ({error or 'on another rank'})")
     if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)  # only there when a resumed run redoes its last step
-        os.replace(tmp, folder), fsync(folder.parent)
-    dist.barrier() if dist.is_initialized() else None
+        shutil.rmtree(folder, ignore_errors=True)  # there when a resumed run redoes its last step
+        os.replace(tmp, folder)
+        fsync(folder.parent)
+    if distributed:
+        dist.barrier()
 
 
 def write_weights(model, tokenizer, folder: Path, rank: int, final: bool,
@@ -333,8 +402,8 @@ def save_weights(model, tokenizer, folder: Path, weights: dict, dtype: torch.dty
 
 def fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd), os.close(fd)
-
+    os.fsync(fd)
+    os.close(fd)
 
 
 @contextmanager
@@ -361,8 +430,7 @@ def full_weights(model, compute):
 
 
 def _reshard_setting(module) -> tuple:
-    """FSDP2's reshard-after-forward state of `module` (its API sets it but cannot read it: private
-    fields)."""
+    """FSDP2's reshard-after-forward state of `module` (its API sets it but cannot read it)."""
     state = module._get_fsdp_state()
     meshes = [g.post_forward_mesh_info for g in state._fsdp_param_groups]
     return state._auto_reshard_after_forward, meshes
@@ -382,7 +450,8 @@ class ChatTemplateError(ValueError):
 
     def __init__(self, said: str, system: bool):
         super().__init__(said)
-        self.said, self.system = said, system
+        self.said = said
+        self.system = system
 
 
 def render_chat(tokenizer, turns: list[dict]) -> str:
@@ -403,70 +472,99 @@ def render_chat(tokenizer, turns: list[dict]) -> str:
 
 def template_warnings(tokenizer, system_prompt: str) -> list[str]:
     """What the chat template silently leaves out of a probe conversation (the system turn, the
-    user's text): the model would never see it. ChatTemplateError if the template fails on the
-    probe."""
+    user's text): the model would never see it. ChatTemplateError if the template fails on it."""
     if not tokenizer.chat_template:
         return []
     user = "What is 12+30? (a probe of the chat template)"
-    turns = [{"role": "system", "content": system_prompt}] * bool(system_prompt.strip())
+    turns = []
+    if system_prompt.strip():
+        turns.append({"role": "system", "content": system_prompt})
     text = render_chat(tokenizer, turns + [{"role": "user", "content": user}])
-    out = ["leaves out the system turn"] * bool(turns and system_prompt.strip() not in text)
-    return out + ["leaves out the user's text"] * (user not in text)
+    said = []
+    if turns and system_prompt.strip() not in text:
+        said.append("leaves out the system turn")
+    if user not in text:
+        said.append("leaves out the user's text")
+    return said
 
 
-def prompt_ids(tokenizer, problem: str, template: str, chat: bool, system_prompt: str = "") -> list[int]:
-    """Token ids of one prompt: `template` with {problem} replaced (plain text: other braces stay), wrapped in the
-    tokenizer's chat template when `chat` and it has one, `system_prompt` as a system turn when set. A chat template
-    writes its own BOS; plain text gets the tokenizer's special tokens (BOS where it adds one)."""
-    text, chat = template.replace("{problem}", problem), chat and bool(tokenizer.chat_template)
+def prompt_ids(tokenizer, problem: str, template: str, chat: bool,
+               system_prompt: str = "") -> list[int]:
+    """Token ids of one prompt: `template` with {problem} replaced (plain text: other braces stay),
+    wrapped in the tokenizer's chat template when `chat` and it has one, `system_prompt` as a system
+    turn when set. A chat template writes its own BOS; plain text gets the tokenizer's special
+    tokens (BOS where it adds one)."""
+    text = template.replace("{problem}", problem)
+    chat = chat and bool(tokenizer.chat_template)
     if chat:
-        turns = [{"role": "system", "content": system_prompt}] * bool(system_prompt)
+        turns = []
+        if system_prompt:
+            turns.append({"role": "system", "content": system_prompt})
         turns.append({"role": "user", "content": text})
         text = render_chat(tokenizer, turns)
     return tokenizer(text, add_special_tokens=not chat)["input_ids"]
 
 
 def build_prompts(tokenizer, problems: list, data, limit: int) -> tuple[list[list[int]], list, int]:
-    """(prompt ids, problems kept, number dropped): prompts over `limit` tokens are dropped, as verl does. `data` is
-    config.DataConfig; a problem's own system turn is used unless data.system_prompt is set. No tokenizer packs 32
-    characters into a token, so longer texts are not even tokenized."""
-    ids = [prompt_ids(tokenizer, p.problem, data.template, data.chat_template, data.system_prompt or p.system)
-           if len(p.problem) <= 32 * limit else None for p in problems]
-    keep = [i for i, x in enumerate(ids) if x is not None and len(x) <= limit]
-    return [ids[i] for i in keep], [problems[i] for i in keep], len(problems) - len(keep)
+    """(prompt ids, problems kept, number dropped): prompts over `limit` tokens are dropped, as verl
+    does. `data` is config.DataConfig; a problem's own system turn is used unless
+    data.system_prompt is set. No tokenizer packs 32 characters into a token, so longer texts are
+    not even tokenized."""
+    prompts, kept = [], []
+    for p in problems:
+        if len(p.problem) > 32 * limit:
+            continue
+        system = data.system_prompt or p.system
+        ids = prompt_ids(tokenizer, p.problem, data.template, data.chat_template, system)
+        if len(ids) <= limit:
+            prompts.append(ids)
+            kept.append(p)
+    return prompts, kept, len(problems) - len(kept)
 
 
 def end_of_turn(tokenizer) -> int | None:
-    """The special token a chat template writes right after an assistant turn (<|im_end|>, <|eot_id|>, ...)."""
+    """The special token a chat template writes right after an assistant turn (<|im_end|>, ...)."""
+    turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "MARK"}]
     try:
-        turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "MARK"}]
         after = tokenizer.apply_chat_template(turns, tokenize=False).rsplit("MARK", 1)[1]
-        ids = tokenizer(after, add_special_tokens=False)
-    except Exception:  # noqa: BLE001 -- a template that refuses this conversation gives no end of turn to learn from it
+        ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    except Exception:  # a template that refuses this conversation gives no end of turn to learn
         return None
-    return ids["input_ids"][0] if ids["input_ids"] and ids["input_ids"][0] in tokenizer.all_special_ids else None
+    if ids and ids[0] in tokenizer.all_special_ids:
+        return ids[0]
+    return None
 
 
 def end_ids(tokenizer, model, chat: bool, stop_tokens: list[str]) -> list[int]:
-    """Every token that ends a completion (see the module docstring). Unknown stop tokens raise ValueError."""
+    """Every token that ends a completion: the tokenizer's eos, any id of the model's
+    generation_config.eos_token_id, the chat template's end of turn when it is applied, and
+    `stop_tokens` (ValueError for one that is not a token)."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos]), end_of_turn(tokenizer) if chat else None}
+    ids = {tokenizer.eos_token_id}
+    ids.update(eos if isinstance(eos, list) else [eos])
+    if chat:
+        ids.add(end_of_turn(tokenizer))
     for s in stop_tokens:
         i = tokenizer.convert_tokens_to_ids(s)
-        if not isinstance(i, int) or i == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(i) != s:
+        known = isinstance(i, int) and i != tokenizer.unk_token_id
+        if not known or tokenizer.convert_ids_to_tokens(i) != s:
             raise ValueError(f"rollout.stop_tokens: {s!r} is not a single token of this tokenizer")
         ids.add(i)
     return sorted(i for i in ids if i is not None)
 
 
 class _SamplingDistribution(LogitsProcessor):
-    """Turns logits into the sampling distribution (÷ temperature, cut to top-k and to the top-p nucleus) and records
-    the log-probability of each sampled token under it (the behaviour log-prob) and its entropy. HF `generate` runs
-    with its own processors off, so this one alone defines what is sampled. The token drawn from step t's scores only
-    appears in `input_ids` at step t+1, so one (B, V) log-softmax is kept and gathered one step late."""
+    """Turns logits into the sampling distribution (÷ temperature, cut to top-k and to the top-p
+    nucleus) and records the log-probability of each sampled token under it (the behaviour log-prob)
+    and its entropy. HF `generate` runs with its own processors off, so this one alone defines what
+    is sampled. The token drawn from step t's scores only appears in `input_ids` at step t+1, so one
+    (B, V) log-softmax is kept and gathered one step late."""
 
     def __init__(self, cfg: RolloutConfig):
-        self.cfg, self.prev, self.logps, self.entropies = cfg, None, [], []  # prev: (B, V); the rest T × (B,)
+        self.cfg = cfg
+        self.prev = None  # (B, V) log-probs of the last step's distribution
+        self.logps = []  # T × (B,)
+        self.entropies = []  # T × (B,)
         self.finite = None  # () bool on the device, every logit so far finite: read in `finish`
 
     def __call__(self, input_ids, scores):
@@ -475,10 +573,14 @@ class _SamplingDistribution(LogitsProcessor):
         scores = torch.where(finite, scores, 0.0)  # a bad row samples uniformly until `finish`
         if self.prev is not None:
             self.logps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        z = scores.float() / (self.cfg.temperature or 1.0)  # (B, V); greedy (T = 0) records the T = 1 log-probs
+        # greedy (T = 0) records the T = 1 log-probs
+        z = scores.float() / (self.cfg.temperature or 1.0)  # (B, V)
+        # transformers' temperature and top-k warpers give these bits too; its top-p does not (its
+        # ascending float32 cumsum kept another set of tokens in 243 of 256 rows of random logits,
+        # vocabulary 151,936, top_p 0.95), so all three cuts stay here, as the runs sampled them.
         if 0 < self.cfg.top_k < z.shape[1]:
             z = z.masked_fill(z < z.topk(self.cfg.top_k, dim=-1).values[:, -1:], -torch.inf)
-        if self.cfg.top_p < 1:  # drop a token once the more likely ones already hold top_p of the mass
+        if self.cfg.top_p < 1:  # drop a token once the more likely ones hold top_p of the mass
             p, order = z.softmax(-1).sort(-1, descending=True)
             drop = (p.cumsum(-1) - p) >= self.cfg.top_p
             z = z.masked_fill(drop.scatter(1, order, drop), -torch.inf)
@@ -486,7 +588,7 @@ class _SamplingDistribution(LogitsProcessor):
         self.entropies.append(torch.special.entr(self.prev.exp()).sum(-1))
         return z
 
-    def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> (B, T), (B, T)
+    def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T) each
         if not bool(self.finite):
             raise FloatingPointError("the policy's logits are not finite (NaN or inf weights)")
         self.logps.append(self.prev.gather(1, last_tokens[:, None]).squeeze(1))
@@ -508,8 +610,7 @@ class _CastCache(transformers.DynamicCache):
 
 
 def kv_cache(model) -> transformers.DynamicCache | None:
-    """The cache to generate with: K and V in the autocast dtype when autocast is on (`_CastCache`),
-    else HF's."""
+    """The cache to generate with: K and V in the autocast dtype under autocast, else HF's."""
     device = next(model.parameters()).device.type
     if not torch.is_autocast_enabled(device):
         return None
@@ -525,50 +626,58 @@ class _StopRequested(transformers.StoppingCriteria):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, stop: list[int], prompt_idx=None,
-             step: int = 0, counts: list[int] | None = None, group0: int | None = None) -> tuple[Rollouts, list[str]]:
-    """Sample `counts[i]` (default cfg.group_size) completions of each prompt (token ids), cfg.gen_batch_size
-    sequences per HF `generate` call. Returns rollouts (rows of one prompt adjacent, one group id per prompt, counted
-    from `group0`, default step × prompts; reward, correctness and advantage left at 0) and the completions' texts
-    before their end token. A stop (preempt.should_stop) ends it within a token: Interrupted."""
+def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, stop: list[int],
+             prompt_idx=None, step: int = 0, counts: list[int] | None = None,
+             group0: int | None = None) -> tuple[Rollouts, list[str]]:
+    """Sample `counts[i]` (default cfg.group_size) completions of each prompt (token ids),
+    cfg.gen_batch_size sequences per HF `generate` call. Returns `pack_groups`' rollouts (reward,
+    correctness and advantage left at 0) and texts. A stop (preempt.should_stop) ends it within a
+    token: Interrupted."""
     counts = counts or [cfg.group_size] * len(prompts)
-    expanded, rows, texts = [p for p, n in zip(prompts, counts) for _ in range(n)], [], []
-    was_training, device, hf = model.training, next(model.parameters()).device, lora.hf_model(model)
+    expanded = [p for p, n in zip(prompts, counts) for _ in range(n)]
+    was_training = model.training
+    hf = lora.hf_model(model)
     own = hf.generation_config  # (under LoRA, the transformers module's inside peft's wrapper)
-    gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=
-                               cfg.max_new_tokens, eos_token_id=stop or None, pad_token_id=tokenizer.pad_token_id)
     model.eval()
-    hf.generation_config = GenerationConfig()
-    stop_t = torch.tensor(stop, dtype=torch.long, device=device)
+    hf.generation_config = GenerationConfig()  # nothing of the model's fills what ours leaves unset
     grpo.output_layer(model)  # float32 logits, as the training pass computes them
-    try:  # (the empty config: nothing of the model's own fills what gen_cfg leaves unset)
+    rows = []
+    try:
         for start in range(0, len(expanded), cfg.gen_batch_size):
-            if should_stop():
-                raise Interrupted
             chunk = expanded[start : start + cfg.gen_batch_size]
-            P, pad = max(map(len, chunk)), tokenizer.pad_token_id
-            ids = torch.tensor([[pad] * (P - len(p)) + p for p in chunk], device=device)  # left-padded
-            recorder = _SamplingDistribution(cfg)
-            mask = torch.arange(P, device=device) >= P - torch.tensor([len(p) for p in chunk], device=device)[:, None]
-            until_stop = transformers.StoppingCriteriaList([_StopRequested()])
-            out = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=gen_cfg,
-                                 logits_processor=LogitsProcessorList([recorder]),
-                                 past_key_values=kv_cache(model),
-                                 stopping_criteria=until_stop)
-            if should_stop():  # cut short: the rows are incomplete
-                raise Interrupted
-            completion = out[:, P:]  # (b, T)
-            logp, entropy = recorder.finish(completion[:, -1])  # (b, T) each
-            ends = torch.isin(completion, stop_t)  # a completion ends at its first end token; later tokens are padding
-            n = torch.where(ends.any(1), ends.int().argmax(1) + 1, completion.shape[1]).tolist()
-            for b, p in enumerate(chunk):
-                ended = bool(ends[b].any())
-                rows.append((p + completion[b, : n[b]].tolist(), len(p), logp[b, : n[b]].cpu(), not ended,
-                             entropy[b, : n[b]].mean().item()))
-                texts.append(tokenizer.decode(completion[b, : n[b] - ended], skip_special_tokens=True))
+            rows += _sample(model, tokenizer, chunk, cfg, stop)
     finally:
         hf.generation_config = own
         model.train(was_training)
-    group = (step * len(prompts) if group0 is None else group0) + torch.arange(len(prompts))
-    idx, reps = torch.tensor(prompt_idx if prompt_idx is not None else range(len(prompts))), torch.tensor(counts)
-    return pack(rows, tokenizer.pad_token_id, idx.repeat_interleave(reps), group.repeat_interleave(reps), step), texts
+    return pack_groups(rows, tokenizer, counts, prompt_idx, step, group0)
+
+
+def _sample(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig,
+            stop: list[int]) -> list[Row]:
+    """One HF `generate` call: a completion of each prompt, left-padded into one batch."""
+    if should_stop():
+        raise Interrupted
+    device = next(model.parameters()).device
+    batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")
+    P = batch["input_ids"].shape[1]
+    gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0,
+                               max_new_tokens=cfg.max_new_tokens, eos_token_id=stop or None,
+                               pad_token_id=tokenizer.pad_token_id)
+    recorder = _SamplingDistribution(cfg)
+    out = model.generate(**batch.to(device), generation_config=gen_cfg,
+                         logits_processor=LogitsProcessorList([recorder]),
+                         past_key_values=kv_cache(model),
+                         stopping_criteria=transformers.StoppingCriteriaList([_StopRequested()]))
+    if should_stop():  # cut short: the rows are incomplete
+        raise Interrupted
+    completion = out[:, P:]  # (b, T)
+    logp, entropy = recorder.finish(completion[:, -1])  # (b, T) each
+    # a completion ends at its first end token; later tokens are padding
+    ends = torch.isin(completion, torch.tensor(stop, dtype=torch.long, device=device))  # (b, T)
+    n = torch.where(ends.any(1), ends.int().argmax(1) + 1, completion.shape[1]).tolist()
+    rows = []
+    for b, p in enumerate(prompts):
+        rows.append(Row(ids=p + completion[b, : n[b]].tolist(), prompt_len=len(p),
+                        logp=logp[b, : n[b]].cpu(), truncated=not bool(ends[b].any()),
+                        entropy=entropy[b, : n[b]].mean().item()))
+    return rows

@@ -77,6 +77,7 @@ from rewards import overlong_penalty, score_batch
 from rollout import (
     ChatTemplateError,
     Rollouts,
+    Row,
     build_prompts,
     end_ids,
     full_weights,
@@ -302,7 +303,7 @@ def open_log(r: Run, resumed: bool):
 
 def row_entropy(r: Run, rows: Rollouts) -> torch.Tensor:
     """(B,) the current policy's mean token entropy of each row (no gradient); every rank must call it together."""
-    n, blank = len(rows), pack([([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
+    n, blank = len(rows), pack([Row([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
     rows = rows if n else blank
     _, ent = grpo.no_grad_logprobs(r.model, rows, r.cfg, r.compute, r.device, with_entropy=True)
     return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]  # (no rows: a stand-in ran, its value is dropped)

@@ -1,33 +1,17 @@
 """Rollouts from vLLM (`rollout.engine: vllm`): the same `Rollouts` and texts as `rollout.generate`,
-sampled by an in-process vLLM engine that holds a copy of the policy's weights.
+sampled by an in-process vLLM engine that holds a copy of the policy's weights (README, "vLLM").
 
-Same semantics as the HF path: prompts are token ids; `counts[i]` samples of prompt i, one request
-each; temperature, top-p and top-k come from our config alone (`generation_config="vllm"`: the
-checkpoint's sampling defaults, repetition penalty, min length are never read); exactly the ids of
-`stop` end a completion (`ignore_eos` plus `stop_token_ids`: the tokenizer's eos and
-generation_config's ids stop only because rollout.end_ids lists them) and the end token is kept;
-`logprobs_mode="processed_logprobs"` returns the log-prob of each sampled token after temperature,
-top-k and top-p (renormalised over the kept tokens), i.e. under the distribution actually sampled,
-as `_SamplingDistribution` records it.
+Same semantics as the HF path: token-id prompts, one request per sample; temperature, top-p and
+top-k from our config alone (`generation_config="vllm"`); exactly the ids of `stop` end a completion
+(`ignore_eos` plus `stop_token_ids`), the end token kept; `processed_logprobs` are the log-probs
+under the distribution actually sampled, as `_SamplingDistribution` records them. The sampling
+entropy comes from the engine when 0 < top_k <= ENTROPY_TOP_K (the top-k log-probs hold the whole
+distribution), else rows carry NaN and `sampling_entropy` measures it with the trainer's model.
 
-Sampling entropy: exact and free when 0 < top_k <= ENTROPY_TOP_K (the engine returns the top-k
-processed log-probs, which hold the whole sampled distribution); otherwise the engine cannot return
-it cheaply (the whole vocabulary per token) and rows carry NaN: `sampling_entropy` measures it with
-the trainer's model in one no-grad pass (the temperature-only distribution, before any top-p cut).
-
-Determinism: each request's seed is a hash of (key, prompt position, sample index), the key holding
-the run seed, step, round and rank, so a sample never depends on what else is in the batch's random
-stream; the prefix cache is emptied before every phase, so every phase starts from the same engine
-state (a resumed run's fresh engine included). The engine is in the trainer's process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0): weights stream in by reference, and the global RNG streams vLLM
-would reseed or draw from are saved and put back around every call.
-
-Weights: `sync` takes any iterator of (HF parameter name, full tensor), e.g. `full_parameters` (one
-parameter gathered at a time under FSDP2, never a second full copy) or merged LoRA weights, and
-loads it through the worker's `reload_weights` (plain `load_weights` misses the CPU backend's
-repacked linear weights); a tied LM head's packed copy is then rebuilt from the new embedding. GPU:
-`sleep` frees the KV cache (and offloads the weights) during the update, `wake` brings them back
-before a sync; on a CPU both do nothing.
+Determinism: each request's seed hashes (key, prompt, sample), so no sample depends on the rest of
+the batch; the prefix cache is emptied before every phase; the global RNG streams vLLM reseeds or
+draws from are put back around every call. Weights: `sync` streams (HF name, full tensor) pairs
+through the worker's `reload_weights`; GPU `sleep`/`wake` free and restore the KV cache.
 """
 
 from __future__ import annotations
@@ -44,7 +28,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from rollout import RolloutConfig, Rollouts, pack
+from rollout import RolloutConfig, Row, Rollouts, pack_groups
 
 ENTROPY_TOP_K = 64  # the engine returns the top-k log-probs per token when top_k is at most this
 CPU_KV_CACHE_GB = 1.0  # the CPU backend's default KV cache when rollout.vllm_kv_cache_gb is 0
@@ -83,15 +67,8 @@ def request_seed(key: tuple, i: int, j: int) -> int:
 class Engine:
     """One vLLM engine in this process, for this rank's prompts (DDP/FSDP: one per rank)."""
 
-    def __init__(
-        self,
-        path: str,
-        cfg: RolloutConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_model_len: int,
-        trust_remote_code: bool = False,
-    ):
+    def __init__(self, path: str, cfg: RolloutConfig, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int, trust_remote_code: bool = False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights pass by reference
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
@@ -123,7 +100,8 @@ class Engine:
             args["distributed_executor_backend"] = "external_launcher"
         with kept_rng_and_threads():
             self.llm = LLM(**args)
-        self.sleeping, self.can_sleep = False, gpu and cfg.vllm_sleep
+        self.sleeping = False
+        self.can_sleep = gpu and cfg.vllm_sleep
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights: (HF name, full tensor) pairs, consumed one at a time. The prefix cache
@@ -150,21 +128,10 @@ class Engine:
             self.llm.wake_up()
             self.sleeping = False
 
-    def generate(
-        self,
-        tokenizer,
-        prompts: list[list[int]],
-        cfg: RolloutConfig,
-        stop: list[int],
-        prompt_idx=None,
-        step: int = 0,
-        counts: list[int] | None = None,
-        group0: int | None = None,
-        key: tuple = (),
-    ) -> tuple[Rollouts, list[str]]:
-        """`rollout.generate`'s contract (rows of a prompt adjacent, one group id per prompt counted
-        from `group0`, texts before the end token); `key` names the call for the per-request
-        seeds."""
+    def generate(self, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, stop: list[int],
+                 prompt_idx=None, step: int = 0, counts: list[int] | None = None,
+                 group0: int | None = None, key: tuple = ()) -> tuple[Rollouts, list[str]]:
+        """`rollout.generate`'s contract; `key` names the call for the per-request seeds."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -174,54 +141,33 @@ class Engine:
         for i, (p, n) in enumerate(zip(prompts, counts, strict=True)):
             for j in range(n):
                 requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                params.append(
-                    SamplingParams(
-                        n=1,
-                        temperature=cfg.temperature,
-                        top_p=cfg.top_p,
-                        top_k=cfg.top_k,
-                        max_tokens=cfg.max_new_tokens,
-                        logprobs=top,
-                        seed=request_seed(key, i, j),
-                        ignore_eos=True,
-                        stop_token_ids=list(stop),
-                        detokenize=False,
-                    )
-                )
+                params.append(SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                             top_k=cfg.top_k, max_tokens=cfg.max_new_tokens,
+                                             logprobs=top, seed=request_seed(key, i, j),
+                                             ignore_eos=True, stop_token_ids=list(stop),
+                                             detokenize=False))
         self.wake()
         with kept_rng_and_threads():
             self.llm.reset_prefix_cache()  # every phase starts from the same engine state
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        rows, texts = [], []
+        rows = []
         for req, out in zip(requests, outputs, strict=True):
             rows.append(_row(req["prompt_token_ids"], out.outputs[0], stop, top))
-            ended = not rows[-1][3]
-            completion = rows[-1][0][len(req["prompt_token_ids"]) : len(rows[-1][0]) - ended]
-            texts.append(tokenizer.decode(completion, skip_special_tokens=True))
-        group = (step * len(prompts) if group0 is None else group0) + torch.arange(len(prompts))
-        idx = torch.tensor(prompt_idx if prompt_idx is not None else range(len(prompts)))
-        reps = torch.tensor(counts)
-        ro = pack(
-            rows,
-            tokenizer.pad_token_id,
-            idx.repeat_interleave(reps),
-            group.repeat_interleave(reps),
-            step,
-        )
-        return ro, texts
+        return pack_groups(rows, tokenizer, counts, prompt_idx, step, group0)
 
 
-def _row(prompt: list[int], out, stop: list[int], top: int) -> tuple:
-    """A completion as rollout.pack takes it: (ids, prompt length, logp, truncated, entropy)."""
+def _row(prompt: list[int], out, stop: list[int], top: int) -> Row:
+    """A completion as rollout.pack takes it."""
     ids = list(out.token_ids)
     logp = [d[t].logprob for d, t in zip(out.logprobs, ids, strict=True)]
     if not torch.isfinite(torch.tensor(logp)).all():
         raise FloatingPointError("the engine's log-probs are not finite (NaN or inf weights)")
-    truncated = not ids or ids[-1] not in stop
     entropy = math.nan
     if top and ids:
         entropy = sum(_entropy(d) for d in out.logprobs) / len(ids)
-    return prompt + ids, len(prompt), logp, truncated, entropy
+    truncated = not ids or ids[-1] not in stop
+    return Row(ids=prompt + ids, prompt_len=len(prompt), logp=logp, truncated=truncated,
+               entropy=entropy)
 
 
 def _entropy(top: dict) -> float:
@@ -264,9 +210,8 @@ def cast(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Ite
 
 
 @torch.no_grad()
-def sampling_entropy(
-    model, rows: Rollouts, temperature: float, device, chunk: int = 64
-) -> torch.Tensor:
+def sampling_entropy(model, rows: Rollouts, temperature: float, device,
+                     chunk: int = 64) -> torch.Tensor:
     """(B,) each row's mean token entropy under `model` at `temperature` (before any top-k/top-p
     cut), for rows the engine returned without one; `chunk` rows per forward."""
     import grpo
@@ -274,14 +219,9 @@ def sampling_entropy(
     out = torch.empty(len(rows))
     for start in range(0, len(rows), chunk):
         part = rows.select(torch.arange(start, min(start + chunk, len(rows))))
-        _, ent = grpo.completion_logprobs(
-            model,
-            part.tokens.to(device),
-            part.prompt_len.to(device),
-            part.seq_len.to(device),
-            temperature or 1.0,
-            with_entropy=True,
-        )  # (b, L)
+        _, ent = grpo.completion_logprobs(model, part.tokens.to(device), part.prompt_len.to(device),
+                                          part.seq_len.to(device), temperature or 1.0,
+                                          with_entropy=True)  # (b, L)
         mean = ent.sum(1) / part.completion_len.to(device).clamp(min=1)  # (b,)
         out[start : start + len(part)] = mean.float().cpu()
     return out

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 import eval as ev
-from rollout import RolloutConfig, pack
+from rollout import RolloutConfig, Row, pack
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(os.environ.get("SHARED_DATA_DIR", ROOT.parent / "shared" / "data")) / "benchmarks"
@@ -153,7 +153,8 @@ def test_save_correct_writes_only_verified_completions(tiny_random_model, tmp_pa
         for p in prompts:
             for t in next(v for q, v in script.items() if q in tokenizer.decode(p)):  # prompts carry the chat template
                 ids = tokenizer(t, add_special_tokens=False)["input_ids"]
-                rows.append((p + ids, len(p), [-0.5] * len(ids), False, 1.0))
+                rows.append(Row(ids=p + ids, prompt_len=len(p), logp=[-0.5] * len(ids), truncated=False,
+                                entropy=1.0))
                 texts.append(t)
         n = len(rows)
         return pack(rows, tokenizer.pad_token_id, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), 0), texts
