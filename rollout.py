@@ -293,17 +293,19 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
         model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                               reduce_dtype=torch.float32)
-    for m, source, dtype in [(model, path, torch.float32), (ref, cfg.model.path, ref_dtype)]:
-        if m is None:
+    for module, source, dtype in [(model, path, torch.float32), (ref, cfg.model.path, ref_dtype)]:
+        if module is None:
             continue
-        root = lora.hf_model(m)  # under LoRA the module inside peft's wrapper: generate() calls it
-        units = [x for x in root.modules() if type(x).__name__ in (root._no_split_modules or [])]
-        for x in units + [root] if fsdp else []:
-            fully_shard(x, mp_policy=mp)
+        root = lora.hf_model(module)  # under LoRA the module inside peft's wrapper (generate's)
+        if fsdp:
+            layers = root._no_split_modules or []
+            units = [unit for unit in root.modules() if type(unit).__name__ in layers]
+            for unit in units + [root]:
+                fully_shard(unit, mp_policy=mp)
         if meta:
-            fill_from_rank0(m, source, device, trust, dtype)
+            fill_from_rank0(module, source, device, trust, dtype)
         elif not fsdp:
-            m.to(device)
+            module.to(device)
     if ref is not None:
         ref.requires_grad_(False).eval()
     if cfg.grpo.beta > 0 and adapted:
@@ -544,12 +546,13 @@ def end_ids(tokenizer, model, chat: bool, stop_tokens: list[str]) -> list[int]:
     ids.update(eos if isinstance(eos, list) else [eos])
     if chat:
         ids.add(end_of_turn(tokenizer))
-    for s in stop_tokens:
-        i = tokenizer.convert_tokens_to_ids(s)
-        known = isinstance(i, int) and i != tokenizer.unk_token_id
-        if not known or tokenizer.convert_ids_to_tokens(i) != s:
-            raise ValueError(f"rollout.stop_tokens: {s!r} is not a single token of this tokenizer")
-        ids.add(i)
+    for token in stop_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        known = isinstance(token_id, int) and token_id != tokenizer.unk_token_id
+        if not known or tokenizer.convert_ids_to_tokens(token_id) != token:
+            raise ValueError(f"rollout.stop_tokens: {token!r} is not a single token of this "
+                             "tokenizer")
+        ids.add(token_id)
     return sorted(i for i in ids if i is not None)
 
 
@@ -674,10 +677,10 @@ def _sample(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig,
     logp, entropy = recorder.finish(completion[:, -1])  # (b, T) each
     # a completion ends at its first end token; later tokens are padding
     ends = torch.isin(completion, torch.tensor(stop, dtype=torch.long, device=device))  # (b, T)
-    n = torch.where(ends.any(1), ends.int().argmax(1) + 1, completion.shape[1]).tolist()
+    lengths = torch.where(ends.any(1), ends.int().argmax(1) + 1, completion.shape[1]).tolist()
     rows = []
-    for b, p in enumerate(prompts):
-        rows.append(Row(ids=p + completion[b, : n[b]].tolist(), prompt_len=len(p),
-                        logp=logp[b, : n[b]].cpu(), truncated=not bool(ends[b].any()),
-                        entropy=entropy[b, : n[b]].mean().item()))
+    for b, (prompt, n) in enumerate(zip(prompts, lengths)):
+        rows.append(Row(ids=prompt + completion[b, :n].tolist(), prompt_len=len(prompt),
+                        logp=logp[b, :n].cpu(), truncated=not bool(ends[b].any()),
+                        entropy=entropy[b, :n].mean().item()))
     return rows
