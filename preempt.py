@@ -47,7 +47,10 @@ class Stop:
     another rank's post."""
 
     def __init__(self):
-        self.signum, self.at, self.posted, self.looked = 0, 0.0, False, 0.0
+        self.signum = 0
+        self.at = 0.0  # time.monotonic() of the first signal
+        self.posted = False  # the signal is in the store (or came from it)
+        self.looked = 0.0  # time.monotonic() of the last look into the store
 
     def install(self) -> None:
         self.__init__()  # a new request for each run (tests run several in one process)
@@ -60,7 +63,8 @@ class Stop:
             print("\nerror: SIGINT again: stopping now, without a checkpoint", file=sys.stderr)
             os._exit(128 + signum)
         if not self.signum:
-            self.signum, self.at = signum, time.monotonic()
+            self.signum = signum
+            self.at = time.monotonic()
 
     def requested(self) -> bool:
         """Whether this process, or (looked up once a second) another rank, was asked to stop."""
@@ -71,7 +75,8 @@ class Stop:
         elif store is not None and not self.signum and time.monotonic() - self.looked > POLL:
             self.looked = time.monotonic()
             if store.check([KEY]):
-                self.signum, self.posted = int(store.get(KEY)), True
+                self.signum = int(store.get(KEY))
+                self.posted = True
         return bool(self.signum)
 
     def agreed(self) -> int:
