@@ -22,7 +22,7 @@ import yaml
 import vllm_engine
 from data.loaders import machine_memory, read_yaml_file
 from data.tiny_task import TEST_SIZE, TinyTask
-from grpo import GRPOConfig
+from grpo import GRPOConfig, UpdateSettings
 from lora import LoraConfig
 from replay import ReplayConfig, buffer_bytes, row_bytes
 from rewards import RewardConfig
@@ -460,3 +460,13 @@ def _num(n: int) -> str:
     if n < 10**12:
         return f"{n:,}"
     return f"~1e+{len(str(n)) - 1}"
+
+
+def update_settings(cfg: Config) -> UpdateSettings:
+    """What grpo.update_policy reads of `cfg`: grpo.py takes no Config."""
+    return UpdateSettings(loss=cfg.grpo, optim=cfg.optim,
+                          temperature=cfg.rollout.temperature,
+                          max_new_tokens=cfg.rollout.max_new_tokens,
+                          mask_truncated=cfg.rollout.mask_truncated,
+                          engine=cfg.rollout.engine,
+                          gradient_checkpointing=cfg.model.gradient_checkpointing)

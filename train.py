@@ -67,6 +67,7 @@ from config import (
     flat_dict,
     load_config,
     save_config,
+    update_settings,
     validate,
 )
 from data.loaders import load_task, prompt_order
@@ -305,7 +306,8 @@ def row_entropy(r: Run, rows: Rollouts) -> torch.Tensor:
     """(B,) the current policy's mean token entropy of each row (no gradient); every rank must call it together."""
     n, blank = len(rows), pack([Row([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
     rows = rows if n else blank
-    _, ent = grpo.no_grad_logprobs(r.model, rows, r.cfg, r.compute, r.device, with_entropy=True)
+    settings = update_settings(r.cfg)
+    _, ent = grpo.no_grad_logprobs(r.model, rows, settings, r.compute, r.device, with_entropy=True)
     return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]  # (no rows: a stand-in ran, its value is dropped)
 
 
@@ -413,8 +415,8 @@ def loop(r: Run) -> int:
         for group in r.optimizer.param_groups:  # the schedule counts generation steps, whatever optim.minibatches is
             group["lr"] = get_lr(step, cfg)
         # 5. Update: optim.minibatches optimizer steps, each of micro-batches. A stop waits for it.
-        update, entropy, skipped, times = grpo.update_policy(cfg, r.model, r.policy, r.optimizer, batch, r.device,
-                                                             r.compute, r.ref)
+        update, entropy, skipped, times = grpo.update_policy(
+            update_settings(cfg), r.model, r.policy, r.optimizer, batch, r.device, r.compute, r.ref)
         t |= times
         r.optimizer_steps += sum(reason is None for reason in skipped)
         with timed(t, "replay_push"):  # 6. Replay push: the batch after the update, with each row's entropy now

@@ -236,9 +236,10 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     """(c) and (e): the gap on the training path, one AdamW step at lr 1e-6, and its gradient norm
     against a float32 model without FSDP or autocast."""
     import grpo
+    from config import update_settings
 
     batch.advantage = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
-    lp, _ = grpo.no_grad_logprobs(model, batch, cfg, compute, device)
+    lp, _ = grpo.no_grad_logprobs(model, batch, update_settings(cfg), compute, device)
     stats = gap_stats(lp, batch.behav_logp, batch.completion_mask(), cfg)
     params = list(model.parameters())
     before = [local(p.detach()).clone() for p in params]
@@ -254,7 +255,7 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     reset_peak()
     sync()
     t0 = time.time()
-    metrics, _, _, _ = grpo.update_policy(cfg, model, policy, optimizer, batch, device, compute)
+    metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, policy, optimizer, batch, device, compute)
     sync()
     peaks["training"] = peak_bytes()
     tps = int(batch.seq_len.sum()) / (time.time() - t0)
@@ -285,6 +286,7 @@ def reference_grad_norm(cfg, path: str, batch, device) -> float:
     """The same update's gradient norm from float32 weights without FSDP (bf16 compute by autocast,
     as one GPU without FSDP runs it), not clipped."""
     import grpo
+    from config import update_settings
     from rollout import load_model
 
     model = load_model(path, dtype=torch.float32)[0].to(device)
@@ -293,7 +295,7 @@ def reference_grad_norm(cfg, path: str, batch, device) -> float:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     bf16 = cfg.model.compute_dtype == "bfloat16"
     compute = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else None
-    metrics, _, _, _ = grpo.update_policy(ref_cfg, model, model, optimizer, batch, device, compute)
+    metrics, _, _, _ = grpo.update_policy(update_settings(ref_cfg), model, model, optimizer, batch, device, compute)
     del model
     return metrics["grad_norm"]
 

@@ -213,7 +213,7 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
 
     import grpo
     import lora
-    from config import Config
+    from config import Config, update_settings
     from rollout import Rollouts, checkpoint_activations
 
     if lora_rank:  # peft's share of the process is counted in the process before the model
@@ -251,7 +251,7 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
                          reward=torch.zeros(B), correct=torch.zeros(B, dtype=torch.bool), advantage=torch.randn(B, generator=g),
                          entropy=torch.zeros(B), replayed=torch.zeros(B, dtype=torch.bool), onpolicy=torch.ones(B, dtype=torch.bool),
                          slot=torch.full((B,), -1))
-        _, _, reasons, _ = grpo.update_policy(cfg, model, model, optimizer, batch, torch.device("cpu"))
+        _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, optimizer, batch, torch.device("cpu"))
         peak = peak_rss()
         print(f"step {step + 1}: {reasons[0] or 'ok'}, {time.time() - t0:.0f} s, peak RSS {peak / GB:.2f} GB")
     e = estimate(s, gpus=1, fsdp=False, micro_batch=micro_batch, gen_batch=0, prompt=prompt, response=response,

@@ -59,7 +59,5 @@ def test_off_by_default_and_without_an_engine(cap, rows):
 def test_only_fresh_rows_count_as_the_engines():
     rows = Rollouts.empty(3, 4, 0)
     rows.replayed = torch.tensor([False, True, False])
-    cfg = type("Cfg", (), {"rollout": type("R", (), {"engine": "vllm"})()})()
-    assert engine_rows(cfg, rows, torch.device("cpu")).tolist() == [True, False, True]
-    cfg.rollout.engine = "hf"
-    assert engine_rows(cfg, rows, torch.device("cpu")) is None
+    assert engine_rows("vllm", rows, torch.device("cpu")).tolist() == [True, False, True]
+    assert engine_rows("hf", rows, torch.device("cpu")) is None

@@ -24,7 +24,7 @@ from test_scale import model_dir, shard, synthetic_batch, tiny_qwen3  # noqa: F4
 from transformers import AutoModelForCausalLM
 
 import grpo
-from config import Config
+from config import Config, update_settings
 
 BEFORE_EPOCHS = "c6970d2"  # main before optim.epochs: "today's update"
 CPU = torch.device("cpu")
@@ -52,6 +52,11 @@ def run_update(update_policy, model, batch, cfg, seed: int = 0, sgd: bool = Fals
     metrics, entropy, reasons, _ = update_policy(cfg, model, model, opt, batch, CPU)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return metrics, entropy, reasons, weights, torch.get_rng_state(), opt
+
+
+def new_update(cfg, *args):
+    """Today's update_policy, called as the one before optim.epochs was (with the Config)."""
+    return grpo.update_policy(update_settings(cfg), *args)
 
 
 def old_grpo():
@@ -85,7 +90,7 @@ def test_epochs_1_is_bit_identical_to_the_update_before_epochs(minibatches, offp
     """Weights, metrics, entropies, skip reasons and the RNG stream after: equal, bit for bit."""
     base, batch = tiny_qwen3(300), synthetic_batch(300)
     cfg = epochs_cfg(1, minibatches, offpolicy=offpolicy)
-    new = run_update(grpo.update_policy, copy.deepcopy(base), batch, cfg)
+    new = run_update(new_update, copy.deepcopy(base), batch, cfg)
     old = run_update(old_grpo().update_policy, copy.deepcopy(base), batch, cfg)
     assert new[2] == old[2] == [None] * minibatches
     assert all(torch.equal(new[3][k], old[3][k]) for k in old[3])
@@ -129,7 +134,7 @@ def test_epochs_2_equals_two_hand_run_passes_over_the_same_shuffles(minibatches)
     base, batch = tiny_qwen3(300), synthetic_batch(300)
     cfg = epochs_cfg(2, minibatches)
     model = copy.deepcopy(base)
-    _, _, reasons, weights, _, _ = run_update(grpo.update_policy, model, batch, cfg, 3, sgd=True)
+    _, _, reasons, weights, _, _ = run_update(new_update, model, batch, cfg, 3, sgd=True)
     torch.manual_seed(3)  # the shuffles update_policy drew: one per pass, none for one mini-batch
     n = len(batch)
     perms = [torch.randperm(n) if minibatches > 1 else torch.arange(n) for _ in range(2)]
@@ -165,7 +170,7 @@ def test_epochs_first_minibatch_ratio_is_exactly_1_and_pi_old_stays_fixed(monkey
     monkeypatch.setattr(grpo, "policy_loss", loss_spy)
     monkeypatch.setattr(grpo, "_optimizer_step", step_spy)
     model, cfg = copy.deepcopy(base), epochs_cfg(2, 2)
-    _, _, reasons, _, _, _ = run_update(grpo.update_policy, model, fresh, cfg)
+    _, _, reasons, _, _, _ = run_update(new_update, model, fresh, cfg)
     assert reasons == [None] * 4 and len(steps) == 5 and steps[-1] == []
     first, second_pass = torch.cat(steps[0]), torch.cat(steps[2])
     assert first.numel() > 0 and torch.equal(first, torch.ones_like(first))
@@ -223,7 +228,7 @@ def test_gate_forced_crossing_skips_the_update_and_stops_the_epochs():
     E = 1's single step) and the passes stop; the metrics say so."""
     base, batch = tiny_qwen3(300), synthetic_batch(300)
     def update(cfg):
-        return run_update(grpo.update_policy, copy.deepcopy(base), batch, cfg)
+        return run_update(new_update, copy.deepcopy(base), batch, cfg)
 
     gated, single = update(epochs_cfg(4, gate=1e-9)), update(epochs_cfg(1))
     open_gate = update(epochs_cfg(4, gate=1e6))
@@ -294,7 +299,7 @@ def sgd_update(policy, model, batch, cfg, compute=None):
 
     before = flat()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics, _, reasons, _ = grpo.update_policy(cfg, model, policy, opt, batch, CPU,
+    metrics, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, policy, opt, batch, CPU,
                                                 compute or contextlib.nullcontext())
     return before - flat(), metrics, reasons
 

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 import grpo
 import rollout
 from bench.gpu_check import counting_all_gathers
+from config import update_settings
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, generate
 from tests.fixtures import worker_results, write_result
@@ -162,7 +163,7 @@ def test_logp_gap_metric_counts_fresh_tokens_at_the_sampling_weights(minibatches
     offset = torch.where(batch.replayed, 3.0, torch.where(batch.advantage == 0, 0.5, 0.25))  # (B,)
     batch.behav_logp = torch.where(batch.completion_mask(), lp + offset[:, None], 0.0)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics, _, _, _ = grpo.update_policy(cfg, model, model, opt, batch, torch.device("cpu"))
+    metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, torch.device("cpu"))
     if minibatches == 1:
         assert metrics["rollout/logp_gap_mean"] == pytest.approx(0.25, abs=1e-5)
         assert metrics["rollout/logp_gap_max"] == pytest.approx(0.25, abs=1e-5)
@@ -298,7 +299,7 @@ def fsdp_worker(model_dir: str, out: str) -> None:
         for phase in ("before", "after"):
             counter = []
             with counting_all_gathers(counter):
-                logp, _ = grpo._logprobs(policy, batch, cfg, torch.device("cpu"))
+                logp, _ = grpo._logprobs(policy, batch, update_settings(cfg), torch.device("cpu"))
                 logp.sum().backward()
             gathers[phase] = len(counter)
             settings = [rollout._reshard_setting(m) for m in sharded]
@@ -310,7 +311,7 @@ def fsdp_worker(model_dir: str, out: str) -> None:
     calls = []
     real = grpo.completion_logprobs
     grpo.completion_logprobs = lambda *a, **k: calls.append(k["share_prompt"])  # not run
-    grpo._logprobs(torch.compile(model, backend="eager"), batch, cfg, torch.device("cpu"))
+    grpo._logprobs(torch.compile(model, backend="eager"), batch, update_settings(cfg), torch.device("cpu"))
     result["compiled_fsdp_share_prompt"] = calls
     grpo.completion_logprobs = real
     write_result(out, result)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 import lora
-from config import Config
+from config import Config, update_settings
 from rollout import RolloutConfig, generate, load_policy, prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def train_steps(model, cfg: Config, steps: int, lr: float = 1e-2, ref=None) -> t
     opt.step = record
     for s in range(steps):
         batch = synthetic_batch(model.config.vocab_size, seed=s)
-        _, _, reasons, _ = grpo.update_policy(cfg, model, model, opt, batch, CPU, ref=ref)
+        _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, CPU, ref=ref)
         assert reasons == [None]
     return seen, opt
 
@@ -117,10 +117,10 @@ def test_lora_reference_logprobs_are_the_base_models():
     train_steps(model, cfg, 2, ref=ref)
     batch = synthetic_batch(model.config.vocab_size, seed=7)
     null = torch.autocast("cpu", enabled=False)
-    off = grpo.no_grad_logprobs(ref, batch, cfg, null, CPU)[0]
+    off = grpo.no_grad_logprobs(ref, batch, update_settings(cfg), null, CPU)[0]
     base = AutoModelForCausalLM.from_pretrained(MODEL)
-    expected = grpo.no_grad_logprobs(base, batch, cfg, null, CPU)[0]
-    adapted = grpo.no_grad_logprobs(model, batch, cfg, null, CPU)[0]
+    expected = grpo.no_grad_logprobs(base, batch, update_settings(cfg), null, CPU)[0]
+    adapted = grpo.no_grad_logprobs(model, batch, update_settings(cfg), null, CPU)[0]
     assert torch.equal(off, expected)
     assert (adapted - expected).abs().max() > 1e-3, "the adapters changed the policy"
 
@@ -139,8 +139,8 @@ def test_lora_generation_samples_from_the_adapted_model():
     ro, _ = generate(model, tok, prompts, sampling, [])
     assert lora.hf_model(model).generation_config is own
     null, m = torch.autocast("cpu", enabled=False), ro.completion_mask()
-    adapted = grpo.no_grad_logprobs(model, ro, cfg, null, CPU)[0]
-    base = grpo.no_grad_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), ro, cfg, null, CPU)[0]
+    adapted = grpo.no_grad_logprobs(model, ro, update_settings(cfg), null, CPU)[0]
+    base = grpo.no_grad_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), ro, update_settings(cfg), null, CPU)[0]
     # KV-cached sampling and the shared-prompt pass round differently (9e-5 measured; base: > 1)
     torch.testing.assert_close(ro.behav_logp[m], adapted[m], atol=2e-4, rtol=0)
     assert (ro.behav_logp[m] - base[m]).abs().max() > 1e-2

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 import grpo
 import train
-from config import Config, load_config, validate
+from config import Config, load_config, update_settings, validate
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, Rollouts, end_ids, generate, load_policy, prompt_ids
 
@@ -109,7 +109,7 @@ def one_update(policy, model, batch: Rollouts, cfg: Config, compute=None) -> tup
 
     before = flat()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics, entropy, reasons, _ = grpo.update_policy(cfg, model, policy, opt, batch, torch.device("cpu"),
+    metrics, entropy, reasons, _ = grpo.update_policy(update_settings(cfg), model, policy, opt, batch, torch.device("cpu"),
                                                       compute or contextlib.nullcontext())
     after = flat()
     assert reasons == [None]
@@ -246,7 +246,7 @@ def test_a_small_lr_moves_every_weight_with_bf16_compute():
         return real_step(*a, **k)
 
     opt.step = step_keeping_grads
-    _, _, reasons, _ = grpo.update_policy(cfg, model, model, opt, batch, torch.device("cpu"),
+    _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, torch.device("cpu"),
                                           torch.autocast("cpu", dtype=torch.bfloat16))
     assert reasons == [None]
     moved = total = 0

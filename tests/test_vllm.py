@@ -25,7 +25,7 @@ import torch
 import grpo
 import train
 import vllm_engine
-from config import load_config
+from config import load_config, update_settings
 from data.loaders import load_problems
 from rewards import RewardConfig, score_batch
 from rollout import RolloutConfig, _SamplingDistribution, end_ids, load_model, prompt_ids
@@ -214,7 +214,7 @@ def test_vllm_sync_after_an_update_and_skip_when_unchanged(engines):
     )
     ro.advantage, _ = grpo.group_advantages(ro.reward, ro.group)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr)
-    _, _, skipped, _ = grpo.update_policy(cfg, policy, policy, optimizer, ro, torch.device("cpu"))
+    _, _, skipped, _ = grpo.update_policy(update_settings(cfg), policy, policy, optimizer, ro, torch.device("cpu"))
     assert skipped == [None]
     r = SimpleNamespace(engine=engine, model=policy, cfg=cfg, optimizer_steps=1, synced_at=0)
     calls, real_sync = [], engine.sync
