@@ -1,4 +1,4 @@
-"""Small helpers train.py, grpo.py and replay.py share: a reduction over the processes and a timer."""
+"""Helpers train.py, grpo.py and replay.py share: a reduction over the processes, a timer."""
 
 from __future__ import annotations
 
