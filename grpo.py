@@ -614,18 +614,11 @@ class Gate:
 
 def update_policy(s: UpdateSettings, model, policy, optimizer, batch, device, compute=None,
                   ref=None) -> tuple:
-    """optim.epochs passes over `batch` (this rank's rows), each of optim.minibatches optimizer
-    steps over micro-batches (`minibatch_plan`, `micro_batches`); with several passes a `Gate`
-    may stop the update. `model` is the HF module, `policy` what the training forward goes
-    through (the model, compiled, or DDP-wrapped); `ref` the reference model when beta > 0.
-
-    The loss's totals count every rank's rows, so the average DDP/FSDP take of `loss · world` is
-    the whole batch's gradient. Rows with A = 0 are not run when beta = 0 (their gradient is 0).
-    Under FSDP every rank runs as many passes (a short rank adds one-row passes of weight 0).
-    Returns (metrics averaged over the optimizer steps, each row's mean token entropy in its last
-    pass (NaN if not trained on), why each step was skipped (None when taken), seconds per phase).
-    Raises FloatingPointError when an optimizer step leaves non-finite weights.
-    """
+    """optim.epochs passes over this rank's `batch`, each of optim.minibatches optimizer steps
+    (`minibatch_plan`, `micro_batches`, `Gate`). `model` is the HF module, `policy` what the
+    training forward goes through (compiled, DDP). Returns (metrics averaged over the steps, each
+    row's mean token entropy (NaN if not trained on), why each step was skipped (None when taken),
+    seconds per phase). Raises FloatingPointError when a step leaves non-finite weights."""
     gate = None
     if s.optim.epochs > 1:
         gate = Gate(model, s.optim.gate)
@@ -655,6 +648,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
         old = None if o.epochs > 1 and not steps else prox
         total = all_ranks(torch.tensor([len(rows), float(batch.completion_len[rows].sum()),
                                         float((batch.advantage[rows] != 0).any())]))  # (3,)
+        # rows with A = 0 have no gradient unless beta > 0: not run
         run = rows[batch.advantage[rows] != 0] if s.loss.beta == 0 else rows
         micro = micro_batches(run, batch.completion_len, batch.seq_len, o)
         n_micro = int(all_ranks(max(1, len(micro)), MAX))
@@ -680,6 +674,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
                         prox_logp=None if old is None else old[idx, :cols].to(device),
                         ref_logp=None if ref_lp is None else ref_lp[idx, :cols].to(device))
                     if total[2] > 0:
+                        # × world: DDP/FSDP average the ranks' gradients, the totals are global
                         (loss * (world if real else 0.0)).backward()
                 if real:
                     entropy[idx] = ((ent * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
