@@ -648,8 +648,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
         old = None if o.epochs > 1 and not steps else prox
         total = all_ranks(torch.tensor([len(rows), float(batch.completion_len[rows].sum()),
                                         float((batch.advantage[rows] != 0).any())]))  # (3,)
-        # rows with A = 0 have no gradient unless beta > 0: not run
-        run = rows[batch.advantage[rows] != 0] if s.loss.beta == 0 else rows
+        run = rows[batch.advantage[rows] != 0] if s.loss.beta == 0 else rows  # A = 0: no grad
         micro = micro_batches(run, batch.completion_len, batch.seq_len, o)
         n_micro = int(all_ranks(max(1, len(micro)), MAX))
         optimizer.zero_grad(set_to_none=True)
@@ -674,8 +673,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
                         prox_logp=None if old is None else old[idx, :cols].to(device),
                         ref_logp=None if ref_lp is None else ref_lp[idx, :cols].to(device))
                     if total[2] > 0:
-                        # × world: DDP/FSDP average the ranks' gradients, the totals are global
-                        (loss * (world if real else 0.0)).backward()
+                        (loss * (world if real else 0.0)).backward()  # DDP/FSDP average
                 if real:
                     entropy[idx] = ((ent * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
                     if prox is None:  # one optimizer step: this forward is at the sampling weights
