@@ -46,13 +46,13 @@ def worker(opts: dict, args: list[str]) -> None:
     if "backend" in opts:
         dist.init_process_group(opts["backend"], timeout=datetime.timedelta(minutes=5))
     if "probe" in opts:
-        restore = train.restore
+        restore = checkpoint.restore
 
         def probed(ck, state, cfg, model, optimizer, replay, progress):
             restore(ck, state, cfg, model, optimizer, replay, progress)
             probe(model, optimizer, replay, Path(opts["probe"]))
 
-        train.restore = probed
+        checkpoint.restore = probed
     if "loads" in opts:
         count_loads(Path(opts["loads"]))
     sys.exit(train.main(args))
