@@ -214,7 +214,7 @@ def test_resume_continues_the_same_wandb_run(tmp_path):
 
 def test_rng_and_replay_state_load_with_weights_only(tmp_path):
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    s = train.rng_state()
+    s = checkpoint.rng_state()
     before = (random.random(), np.random.rand(), torch.rand(1))
     cfg = ReplayConfig(strategy="aper", capacity=8)
     buf = make_replay(cfg, max_len=6, pad_id=0, seed=0)
@@ -230,7 +230,7 @@ def test_rng_and_replay_state_load_with_weights_only(tmp_path):
     buf.push(rows, 0, torch.zeros(B))
     torch.save({"rng": s, "replay": buf.state_dict()}, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)  # raises on anything but tensors and plain types
-    train.set_rng_state(loaded["rng"])
+    checkpoint.set_rng_state(loaded["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1)) == before
     again = make_replay(cfg, max_len=6, pad_id=0, seed=0)
     again.load_state_dict(loaded["replay"])
