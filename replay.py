@@ -428,7 +428,8 @@ class PhaseOne:
             prompt = prompts[int(self.prompt_idx[i])]
             seq = prompt + self.completion(i)
             logp = [0.0] * (len(seq) - len(prompt))
-            parts.append(Row(ids=seq, prompt_len=len(prompt), logp=logp, truncated=False, entropy=0.0))
+            row = Row(ids=seq, prompt_len=len(prompt), logp=logp, truncated=False, entropy=0.0)
+            parts.append(row)
         out = pack(parts, pad_id, self.prompt_idx[rows], torch.full((n,), -1), 0)
         out.reward = torch.full((n,), reward)
         out.correct = torch.ones(n, dtype=torch.bool)
