@@ -318,8 +318,8 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
         ratio = "never reached" if math.isinf(row["ratio_median"]) else f"{row['ratio_median']:.2f}"
         seeds = " / ".join("–" if math.isinf(x) else f"{x:.2f}" for x in row["ratios"])
         cells = [row["strategy"], row["seeds"],
-                 f"{100 * row['area_mean']:.1f} ({interval(row['area_ci'], 100, '.1f')}) "
-                 f"[{row['area_n']}]",
+                 (f"{100 * row['area_mean']:.1f} ({interval(row['area_ci'], 100, '.1f')}) "
+                  f"[{row['area_n']}]"),
                  num(row["area_diff"], "+.1f", 100), num(row["area_p"]), num(row["area_p_holm"]),
                  row["verdict"], num(row["detectable"], ".1f", 100),
                  f"{100 * row['acc_mean']:.1f} ({interval(row['acc_ci'], 100, '.1f')})",

@@ -230,8 +230,8 @@ class Config:
                 "out_dir": (self.out_dir.strip() != "", "a folder name, not empty"),
                 "optim.minibatches": (mb < 1 or prompts % mb == 0,
                                       f"a divisor of the prompts per step ({prompts})"),
-                "rollout.engine": (vllm_ok, "hf when vLLM is not installed "
-                                   "(pip install -r requirements-vllm.txt)")}
+                "rollout.engine": (vllm_ok, ("hf when vLLM is not installed "
+                                             "(pip install -r requirements-vllm.txt)"))}
 
 
 def _fields(cls=Config, prefix="") -> dict[str, type]:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from rollout import RolloutConfig, Row, Rollouts, pack_groups
+from rollout import RolloutConfig, Rollouts, Row, pack_groups
 
 ENTROPY_TOP_K = 64  # the engine returns the top-k log-probs per token when top_k is at most this
 CPU_KV_CACHE_GB = 1.0  # the CPU backend's default KV cache when rollout.vllm_kv_cache_gb is 0

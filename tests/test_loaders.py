@@ -152,6 +152,6 @@ def test_tiny_task_knobs_are_the_data_tiny_section():
     train, held_out = load_task(cfg.data, 10)
     assert len(train) == 40 and len(held_out) == 10
     for p in train + held_out:  # add problems only, operands within max_int
-        a, op, b = re.fullmatch(r"(-?\d+)([+-])(-?\d+)", p.problem).groups()
+        a, _op, b = re.fullmatch(r"(-?\d+)([+-])(-?\d+)", p.problem).groups()
         assert max(abs(int(a)), abs(int(b))) <= 12
     assert not {p.problem for p in train} & {p.problem for p in held_out}
