@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import state_dict as dcp
 
 from config import flat_dict
 from rollout import fsync, save_model
-from util import MAX, all_ranks
+from util import MAX, all_ranks, oneline, rank_and_world
 
 # What runs write in out_dir: a folder holding anything else is never overwritten.
 RUN_FILES = {".run", ".lock", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints",
@@ -39,16 +39,6 @@ FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole ten
 
 class RunError(Exception):
     """Bad input, or a failed read or write, found while running: one line, exit 2."""
-
-
-def oneline(e: Exception, n: int = 300) -> str:
-    return " ".join(str(e).split())[:n]
-
-
-def rank_and_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # ------------------------------------------------------------------------------- the run's folder

@@ -42,6 +42,7 @@ from rollout import (
     prompt_ids,
     template_warnings,
 )
+from util import oneline
 
 DEFAULT_TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answer within "
                     "\\boxed{}.")
@@ -223,7 +224,7 @@ def load(args, benchmarks: dict, dtype) -> tuple:
         extra = args.stop_tokens.split(",") if args.stop_tokens else []
         stop = end_ids(tokenizer, model, args.chat_template, extra)
     except Exception as e:  # any failure to load is one line about the model
-        said = " ".join(str(e).split())[:300] or type(e).__name__
+        said = oneline(e) or type(e).__name__
         raise BadInput(f"cannot load model {args.model}: {said}") from e
     prompts = {}
     try:
@@ -304,7 +305,7 @@ def make_engine(args, sampling: RolloutConfig, dtype, device: str, prompts: dict
         return vllm_engine.Engine(args.model, sampling, dtype, torch.device(device), longest,
                                   args.trust_remote_code)
     except (ValueError, RuntimeError, OSError) as e:
-        said = " ".join(str(e).split())[:300]
+        said = oneline(e)
         raise BadInput(f"--engine vllm: {type(e).__name__}: {said}") from e
 
 

@@ -71,7 +71,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from util import MAX, all_ranks, timed
+from util import MAX, all_ranks, rank_and_world, timed
 
 
 @dataclass
@@ -632,7 +632,7 @@ def update_policy(s: UpdateSettings, model, policy, optimizer, batch, device, co
 
 def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> tuple:
     times, o = {}, s.optim
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    _, world = rank_and_world()
     trained = ~batch.truncated if s.mask_truncated else torch.ones(len(batch), dtype=torch.bool)
     with timed(times, "prox_logprobs"):  # π_old at the start of the step, for the later steps
         reuse = o.minibatches > 1 or o.epochs > 1

@@ -38,6 +38,7 @@ from transformers import (
 import grpo
 import lora
 from preempt import Interrupted, should_stop
+from util import oneline
 
 
 @dataclass
@@ -350,7 +351,7 @@ def save_model(model, tokenizer, folder: Path, state: dict | None = None,
         for f in own:
             fsync(f)
     except Exception as e:  # reported below, on every rank
-        error = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        error = f"{type(e).__name__}: {oneline(e, 160)}"
     failed = torch.tensor(float(bool(error)))
     if distributed:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
@@ -461,7 +462,7 @@ def render_chat(tokenizer, turns: list[dict]) -> str:
     try:
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # raise_exception(), a syntax error, whatever the template's code raises
-        words = " ".join(str(e).split())[:200]
+        words = oneline(e, 200)
         if isinstance(e, jinja2.TemplateSyntaxError):
             said = f"does not parse ({words}, line {e.lineno})"
         elif type(e) is jinja2.TemplateError:  # what the template's raise_exception('...') raises

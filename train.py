@@ -34,7 +34,7 @@ import checkpoint
 import grpo
 import lora
 import vllm_engine
-from checkpoint import RunError, checkpoints, oneline
+from checkpoint import RunError, checkpoints
 from config import Config, ConfigError, budget, check_rules, flat_dict, load_config, save_config
 from config import update_settings, validate
 from data.loaders import load_task, prompt_order
@@ -44,7 +44,7 @@ from replay import make_replay
 from rewards import overlong_penalty, score_batch
 from rollout import ChatTemplateError, Rollouts, Row, build_prompts, end_ids, full_weights, generate
 from rollout import load_policy, pack, save_model, template_warnings
-from util import all_ranks, timed
+from util import all_ranks, oneline, rank_and_world, timed
 
 
 def main(argv: list[str]) -> int:
@@ -119,7 +119,7 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = backend_map("cuda" if torch.cuda.is_available() else "cpu")
         dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
-    rank, world = checkpoint.rank_and_world()
+    rank, world = rank_and_world()
     out = Path(os.path.abspath(cfg.out_dir))  # absolute: --overwrite may rename the current folder
     checkpoint.check_out_dir(out, resume, overwrite)
     n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size

@@ -1,4 +1,5 @@
-"""Helpers train.py, grpo.py and replay.py share: a reduction over the processes, a timer."""
+"""Helpers the core modules share: this process's rank, a reduction over the processes, a timer,
+an exception as one line."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 MAX = dist.ReduceOp.MAX
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def oneline(e: Exception, n: int = 300) -> str:
+    """An exception's message on one line, at most `n` characters."""
+    return " ".join(str(e).split())[:n]
 
 
 def all_ranks(x, op=None):
