@@ -117,6 +117,21 @@ def area(curve: list[tuple], budget: float) -> float | None:
     return total / budget
 
 
+def common_grid(runs: list[dict]) -> None:
+    """Cut every curve to the evals all runs share (each run's curve in place): a step stays if
+    every run that got as far has an eval there. Runs evaluated every 5 and every 10 steps are then
+    compared on the every-10 grid, since the trapezoids of a finer grid sit higher on a concave
+    curve; a run cut short does not thin the grid beyond its end."""
+    steps = [{c[0] for c in run["curve"]} for run in runs]
+    ends = [max(s, default=-1) for s in steps]
+    for run in runs:
+        kept = []
+        for c in run["curve"]:
+            if all(c[0] in s or end < c[0] for s, end in zip(steps, ends)):
+                kept.append(c)
+        run["curve"] = kept
+
+
 def sustained_crossing(curve: list[tuple], target: float) -> float | None:
     """Generated tokens where the eval curve first reaches `target`, interpolated linearly between
     evals, counting a crossing only if every later eval stays ≥ target − its standard error."""
@@ -253,6 +268,7 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None, budget: 
     target = A_b if target is None else target
     if budget is None:
         budget = min(run["tokens"] for run in base)
+    common_grid(runs)
     arms = {}
     for run in runs:
         crossing = sustained_crossing(run["curve"], target)

@@ -378,3 +378,19 @@ def test_area_default_budget_is_the_shortest_baseline_run_and_lora_is_its_own_ar
     assert [row["area_n"] for row in table] == [2, 1]
     # none-s1: evals at 0, 180, 360, 540 tokens, so its area is the whole curve's
     assert loaded[1]["area"] == pytest.approx((0.2 + 2 * 0.3 + 2 * 0.4 + 0.5) / 6, abs=1e-12)
+
+
+def test_area_on_the_evals_every_run_shares(tmp_path):
+    """none-s0 is evaluated every 2 steps, none-s1 every 4 (both to step 8), none-s2 every 2 but
+    stops at step 4: the curves are cut to steps 0, 4, 8; none-s2's end does not drop step 8."""
+    fine = train_run(tmp_path, "none", 0, [0.2, 0.5, 0.4, 0.5, 0.6])
+    coarse = train_run(tmp_path, "none", 1, [0.2, 0.4, 0.6], every=4)
+    short = train_run(tmp_path, "none", 2, [0.2, 0.3, 0.4])
+    loaded = [cp.load_run(r) for r in (fine, coarse, short)]
+    cp.compare_runs(loaded, "none", None, 800)
+    assert [c[0] for c in loaded[0]["curve"]] == [0, 4, 8]
+    assert [c[0] for c in loaded[2]["curve"]] == [0, 4]  # none-s1 has no step-2 eval either
+    # none-s0 on steps 0, 4, 8 (400 tokens apart): its step-2 eval (0.5) no longer counts
+    assert loaded[0]["area"] == pytest.approx((0.2 + 2 * 0.4 + 0.6) / 4, abs=1e-12)
+    assert loaded[1]["area"] == pytest.approx((0.2 + 2 * 0.4 + 0.6) / 4, abs=1e-12)
+    assert loaded[2]["area"] is None  # short of the budget: left out
