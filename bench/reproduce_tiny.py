@@ -15,7 +15,8 @@ Order: the `none` runs go first; RLEP's phase I then samples 8 answers per train
 of `none` (first seed) and keeps the verified-correct ones with their token ids and behaviour log-probs (as RLEP
 collects them from a finished run; eval.py --save-correct, whose .meta.json gives the tokens phase I generated);
 then the other arms. A run already finished (summary.json present) is kept, so an interrupted reproduction can
-simply be started again; an unfinished one is started over (--overwrite).
+simply be started again; an unfinished one resumes from its newest checkpoint (--resume: bit-identical to
+an uninterrupted run), or is started over (--overwrite) if it saved none.
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ def train(configs: Path, name: str, seed: int, out: Path, extra: list[str]) -> P
     if (run / "summary.json").exists():
         print(f"[skip] {run} is finished", flush=True)
         return run
+    start = "--overwrite"
+    if list(run.glob("checkpoints/step_*")):
+        start = "--resume"
+        print(f"[resume] {run}", flush=True)
     cmd = [sys.executable, "train.py", "--config", str(configs / f"{name}.yaml"), f"--out_dir={run}", f"--seed={seed}",
-           "--overwrite", f"--wandb.name={configs.name}-{name}-s{seed}", *extra]
+           start, f"--wandb.name={configs.name}-{name}-s{seed}", *extra]
     t0 = time.time()
-    with open(out / f"{name}-s{seed}.log", "w") as log:
+    with open(out / f"{name}-s{seed}.log", "a") as log:
         subprocess.run(cmd, cwd=REPO, check=True, stdout=log, stderr=subprocess.STDOUT)
     print(f"[done] {run} in {time.time() - t0:.0f}s", flush=True)
     return run

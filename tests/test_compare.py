@@ -394,3 +394,23 @@ def test_area_on_the_evals_every_run_shares(tmp_path):
     assert loaded[0]["area"] == pytest.approx((0.2 + 2 * 0.4 + 0.6) / 4, abs=1e-12)
     assert loaded[1]["area"] == pytest.approx((0.2 + 2 * 0.4 + 0.6) / 4, abs=1e-12)
     assert loaded[2]["area"] is None  # short of the budget: left out
+
+
+def test_reproduce_tiny_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_path, monkeypatch):
+    """bench/reproduce_tiny.py: a run folder with a checkpoint and no summary.json is resumed, one
+    without a checkpoint started over, a finished one left alone."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import reproduce_tiny
+
+    calls = []
+    monkeypatch.setattr(reproduce_tiny.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    (tmp_path / "none-s0" / "checkpoints" / "step_000050").mkdir(parents=True)
+    (tmp_path / "none-s2").mkdir()
+    (tmp_path / "none-s2" / "summary.json").write_text("{}")
+    configs = ROOT / "configs" / "tiny"
+    for seed in (0, 1, 2):
+        reproduce_tiny.train(configs, "none", seed, tmp_path, ["--eval.every=10"])
+    assert len(calls) == 2
+    assert "--resume" in calls[0] and "--overwrite" not in calls[0]
+    assert "--overwrite" in calls[1] and "--resume" not in calls[1]
+    assert calls[0][-1] == "--eval.every=10"
