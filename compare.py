@@ -58,6 +58,7 @@ def load_run(path: str | Path) -> dict:
     curve = [c for c in curve if c[2] is not None]
     return {"path": str(path), "strategy": "+".join(tags).removeprefix("none+"),
             "seed": summary.get("seed", config.get("seed")), "curve": curve,
+            "finished": bool(summary),
             "final": curve[-1][2] if curve else None,
             "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
             "tokens": summary.get("tokens_generated_total", tokens),
@@ -119,15 +120,14 @@ def area(curve: list[tuple], budget: float) -> float | None:
 
 def common_grid(runs: list[dict]) -> None:
     """Cut every curve to the evals all runs share (each run's curve in place): a step stays if
-    every run that got as far has an eval there. Runs evaluated every 5 and every 10 steps are then
-    compared on the every-10 grid, since the trapezoids of a finer grid sit higher on a concave
-    curve; a run cut short does not thin the grid beyond its end."""
+    every run whose evals span it has an eval there. Runs evaluated every 5 and every 10 steps are
+    then compared on the every-10 grid, since the trapezoids of a finer grid sit higher on a concave
+    curve; a run cut short (or without its step-0 eval) does not thin the grid outside its span."""
     steps = [{c[0] for c in run["curve"]} for run in runs]
-    ends = [max(s, default=-1) for s in steps]
     for run in runs:
         kept = []
         for c in run["curve"]:
-            if all(c[0] in s or end < c[0] for s, end in zip(steps, ends)):
+            if all(c[0] in s or not min(s) < c[0] < max(s) for s in steps if s):
                 kept.append(c)
         run["curve"] = kept
 
@@ -257,10 +257,23 @@ def holm(ps: list[float]) -> list[float]:
     return adjusted
 
 
+def positive_number(text: str) -> float:
+    """--budget's number: ValueError unless it is one and > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--budget must be a number > 0 or shortest, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"--budget must be > 0, got {text}")
+    return value
+
+
 def compare_runs(runs: list[dict], baseline: str, target: float | None, budget: float | None):
     """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy is the
     default target and whose smallest total of generated tokens the default budget: every baseline
-    seed then counts (their totals differ by 1-2 %, so their mean would leave about half out)."""
+    seed then counts (their totals differ by 1-2 %, so their mean would leave about half out).
+    budget "shortest": the smallest total of the finished runs (summary.json written), so that
+    every finished run counts."""
     base = [run for run in runs if run["strategy"] == baseline and run["final"] is not None]
     if not base:
         raise ValueError(f"no run of the baseline {baseline!r} has an eval (--baseline names it)")
@@ -268,6 +281,8 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None, budget: 
     target = A_b if target is None else target
     if budget is None:
         budget = min(run["tokens"] for run in base)
+    if budget == "shortest":
+        budget = min(run["tokens"] for run in runs if run["finished"])
     common_grid(runs)
     arms = {}
     for run in runs:
@@ -365,13 +380,14 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
     ap.add_argument("--baseline", default="none", help="the arm the others are measured against")
     ap.add_argument("--target", type=float, help="accuracy (0-1) for tokens to target (default: "
                     "the baseline's mean final accuracy)")
-    ap.add_argument("--budget", type=float, help="generated tokens the area covers (default: the "
-                    "smallest total of the baseline's runs)")
+    ap.add_argument("--budget", help="generated tokens the area covers, or `shortest`: the "
+                    "smallest total of the finished runs (default: of the baseline's runs)")
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:
-        if args.budget is not None and not args.budget > 0:
-            raise ValueError(f"--budget must be > 0, got {args.budget}")
+        budget = args.budget
+        if budget not in (None, "shortest"):
+            budget = positive_number(budget)
         runs = []
         for arg in args.runs:
             label, sep, folder = arg.partition("=")
@@ -379,7 +395,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                 runs.append(load_run(folder) | {"strategy": label})
             else:
                 runs.append(load_run(arg))
-        table, target, budget = compare_runs(runs, args.baseline, args.target, args.budget)
+        table, target, budget = compare_runs(runs, args.baseline, args.target, budget)
         print(compare_table(table, target, budget, args.baseline))
         short = [run["path"] for run in runs if run["area"] is None]
         if short:

@@ -199,6 +199,7 @@ def test_compare_errors_are_one_line_exit_2(tmp_path, capsys):
     (bad / "metrics.jsonl").write_text("{not json\n")
     (bad / "config.yaml").write_text("replay: {strategy: none}\n")
     for argv in ([str(tmp_path / "no_such_run")], [str(run), "--budget", "0"],
+                 [str(run), "--budget", "most"],
                  [str(run), "--baseline", "aper"], [str(bad)]):
         with pytest.raises(SystemExit) as e:
             cp.main([*argv, "--out-dir", str(tmp_path / "out")])
@@ -414,3 +415,25 @@ def test_reproduce_tiny_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_
     assert "--resume" in calls[0] and "--overwrite" not in calls[0]
     assert "--overwrite" in calls[1] and "--resume" not in calls[1]
     assert calls[0][-1] == "--eval.every=10"
+
+
+def test_area_budget_shortest_is_the_smallest_finished_run(tmp_path, capsys):
+    """--budget shortest: none's runs end at 600 and 540 tokens, an aper run at 534 and an unfinished
+    one (no summary.json, so no step-0 eval) at 300: the budget is 534 and every finished run counts;
+    the unfinished run is left out and does not thin the others' evals."""
+    runs = [train_run(tmp_path, "none", 0, [0.2, 0.3, 0.4, 0.5]),
+            train_run(tmp_path, "none", 1, [0.2, 0.3, 0.4, 0.5], per_step=90),
+            train_run(tmp_path, "aper", 0, [0.2, 0.4, 0.5, 0.6], per_step=89),
+            train_run(tmp_path, "aper", 1, [0.2, 0.4, 0.5, 0.6], per_step=50)]
+    (runs[3] / "summary.json").unlink()
+    cp.main([*map(str, runs), "--out-dir", str(tmp_path / "out"), "--budget", "shortest"])
+    assert "not in the area (short of the 534-token budget" in capsys.readouterr().out
+    result = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert result["budget"] == 534
+    assert [row["area_n"] for row in result["strategies"]] == [2, 1]
+    with open(tmp_path / "out" / "compare.csv") as f:
+        rows = {(r["strategy"], r["seed"]): r for r in csv.DictReader(f)}
+    # aper-s0: evals at 0, 178, 356, 534 tokens, so its area is the whole curve's
+    hand = (0.2 + 2 * 0.4 + 2 * 0.5 + 0.6) / 6
+    assert float(rows["aper", "0"]["area"]) == pytest.approx(hand, abs=1e-12)
+    assert rows["aper", "1"]["area"] == ""
