@@ -123,11 +123,15 @@ def common_grid(runs: list[dict]) -> None:
     every run whose evals span it has an eval there. Runs evaluated every 5 and every 10 steps are
     then compared on the every-10 grid, since the trapezoids of a finer grid sit higher on a concave
     curve; a run cut short (or without its step-0 eval) does not thin the grid outside its span."""
-    steps = [{c[0] for c in run["curve"]} for run in runs]
+    spans = []  # (first step, last step, every step) of each run with an eval
+    for run in runs:
+        steps = {c[0] for c in run["curve"]}
+        if steps:
+            spans.append((min(steps), max(steps), steps))
     for run in runs:
         kept = []
         for c in run["curve"]:
-            if all(c[0] in s or not min(s) < c[0] < max(s) for s in steps if s):
+            if all(c[0] in s or not lo < c[0] < hi for lo, hi, s in spans):
                 kept.append(c)
         run["curve"] = kept
 
@@ -268,7 +272,8 @@ def positive_number(text: str) -> float:
     return value
 
 
-def compare_runs(runs: list[dict], baseline: str, target: float | None, budget: float | None):
+def compare_runs(runs: list[dict], baseline: str, target: float | None,
+                 budget: float | str | None):
     """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy is the
     default target and whose smallest total of generated tokens the default budget: every baseline
     seed then counts (their totals differ by 1-2 %, so their mean would leave about half out).
@@ -282,7 +287,10 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None, budget: 
     if budget is None:
         budget = min(run["tokens"] for run in base)
     if budget == "shortest":
-        budget = min(run["tokens"] for run in runs if run["finished"])
+        finished = [run["tokens"] for run in runs if run["finished"]]
+        if not finished:
+            raise ValueError("--budget shortest: no finished run (summary.json) among them")
+        budget = min(finished)
     common_grid(runs)
     arms = {}
     for run in runs:

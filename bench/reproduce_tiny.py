@@ -47,7 +47,7 @@ def train(configs: Path, name: str, seed: int, out: Path, extra: list[str]) -> P
         print(f"[skip] {run} is finished", flush=True)
         return run
     start = "--overwrite"
-    if list(run.glob("checkpoints/step_*")):
+    if any(run.glob("checkpoints/step_*")):
         start = "--resume"
         print(f"[resume] {run}", flush=True)
     cmd = [sys.executable, "train.py", "--config", str(configs / f"{name}.yaml"), f"--out_dir={run}", f"--seed={seed}",

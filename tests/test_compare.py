@@ -198,8 +198,9 @@ def test_compare_errors_are_one_line_exit_2(tmp_path, capsys):
     bad.mkdir()
     (bad / "metrics.jsonl").write_text("{not json\n")
     (bad / "config.yaml").write_text("replay: {strategy: none}\n")
+    unfinished = write_run(tmp_path, "none", 1, [(0, 0.2, 100), (900, 0.4, 100)], finished=False)
     for argv in ([str(tmp_path / "no_such_run")], [str(run), "--budget", "0"],
-                 [str(run), "--budget", "most"],
+                 [str(run), "--budget", "most"], [str(unfinished), "--budget", "shortest"],
                  [str(run), "--baseline", "aper"], [str(bad)]):
         with pytest.raises(SystemExit) as e:
             cp.main([*argv, "--out-dir", str(tmp_path / "out")])
