@@ -91,6 +91,7 @@ class Run:
     eval_prompts: list
     eval_golds: list
     stop: list  # token ids that end a completion
+    settings: grpo.UpdateSettings  # what grpo's update and no-grad passes read of cfg
     progress: dict = field(default_factory=lambda: {  # saved in checkpoints with the states
         "step": 0, "data_pos": 0, "wall": 0.0, "wandb_id": None,
         "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0,
@@ -156,7 +157,7 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     golds = [p.answer for p in problems]
     eval_golds = [p.answer for p in eval_problems]
     r = Run(cfg, out, rank, world, device, model, policy, tokenizer, ref, compute, optimizer,
-            replay, prompts, golds, eval_prompts, eval_golds, stop)
+            replay, prompts, golds, eval_prompts, eval_golds, stop, update_settings(cfg))
     r.engine = start_engine(r)
     entropy = functools.partial(row_entropy, r)  # the replay strategies that score stored rows
     try:
@@ -281,8 +282,8 @@ def row_entropy(r: Run, rows: Rollouts) -> torch.Tensor:
     n = len(rows)
     if n == 0:  # a stand-in row runs, so every rank's passes match; its value is dropped
         rows = pack([Row([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
-    settings = update_settings(r.cfg)
-    _, ent = grpo.no_grad_logprobs(r.model, rows, settings, r.compute, r.device, with_entropy=True)
+    _, ent = grpo.no_grad_logprobs(r.model, rows, r.settings, r.compute, r.device,
+                                   with_entropy=True)
     return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]
 
 
@@ -393,7 +394,7 @@ def loop(r: Run) -> int:
             group["lr"] = get_lr(step, cfg)
         # 5. Update: optim.minibatches optimizer steps, each of micro-batches. A stop waits for it.
         update, entropy, skipped, times = grpo.update_policy(
-            update_settings(cfg), r.model, r.policy, r.optimizer, batch, r.device, r.compute, r.ref)
+            r.settings, r.model, r.policy, r.optimizer, batch, r.device, r.compute, r.ref)
         t |= times
         r.optimizer_steps += sum(reason is None for reason in skipped)
         with timed(t, "replay_push"):  # 6. Replay push: the batch, with each row's entropy now
