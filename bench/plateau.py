@@ -1,39 +1,69 @@
-"""Has a baseline plateaued? Its last three evals within one standard error, per seed and on the seed-mean curve.
+"""Has a baseline plateaued? Its last three evals within one standard error, per seed and on the
+seed-mean curve.
 
 Usage:
-  python bench/plateau.py runs/repro/none-s0 runs/repro/none-s1 runs/repro/none-s2 runs/repro/none-s3 runs/repro/none-s4
+  python bench/plateau.py runs/repro/none-s{0,1,2,3,4,5,6,7,8,9}
 
-Per run: the last three `eval/accuracy` values and their spread (max − min) against that run's last standard error
-(`eval/accuracy_se`, over problems). On the seed mean: the same spread against the standard error of the mean
-eval (the per-run SE / √seeds). Exit 0 when the seed-mean curve's last three evals are within one of its SE.
+Every curve is first cut to the evals all runs share (compare.common_grid), so runs evaluated every
+5 and every 10 steps are judged at the same steps. Per run: the last three `eval/accuracy` values
+and their spread (max − min) against that run's last standard error (`eval/accuracy_se`, over
+problems). On the seed mean: the same spread against the standard error of the mean eval (the
+per-run SE / √seeds). Exit 0 when the seed-mean curve's last three evals are within one of its SE,
+1 when they are not, 2 on bad input.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compare import load_run, seed_mean_curve
+from compare import common_grid, load_run, seed_mean_curve
+
+
+def verdict(spread: float, se: float, flat: str, moving: str) -> str:
+    if spread <= se:
+        return flat
+    return moving
+
+
+def last_three(curve: list[tuple]) -> tuple[list[int], list[float], float, float]:
+    """(steps, accuracies, spread, standard error of the last) of a curve's last three evals."""
+    last = curve[-3:]  # (step, tokens, accuracy, se)
+    steps = [c[0] for c in last]
+    accs = [c[2] for c in last]
+    return steps, accs, max(accs) - min(accs), last[-1][3]
 
 
 def main(paths: list[Path]) -> int:
     runs = [load_run(p) for p in paths]
+    common_grid(runs)
     for path, run in zip(paths, runs, strict=True):
-        last = run["curve"][-3:]  # (step, tokens, accuracy, se)
-        accs = [a for _, _, a, _ in last]
-        spread, se = max(accs) - min(accs), last[-1][3]
-        print(f"{path}: steps {[s for s, *_ in last]} acc {[round(a, 3) for a in accs]} "
-              f"spread {spread:.3f} vs SE {se:.3f} -> {'flat' if spread <= se else 'moving'}")
-    last = seed_mean_curve(runs)[-3:]
-    mean, se = [a for _, _, a, _ in last], last[-1][3]
-    spread = max(mean) - min(mean)
-    print(f"seed mean ({len(runs)} runs): steps {[s for s, *_ in last]} acc {[round(m, 3) for m in mean]} "
-          f"spread {spread:.3f} vs SE {se:.3f} -> {'plateaued' if spread <= se else 'still moving'}")
-    return 0 if spread <= se else 1
+        if len(run["curve"]) < 3:
+            raise ValueError(f"{path}: fewer than three evals on the shared grid")
+        steps, accs, spread, se = last_three(run["curve"])
+        rounded = [round(a, 3) for a in accs]
+        word = verdict(spread, se, "flat", "moving")
+        print(f"{path}: steps {steps} acc {rounded} spread {spread:.3f} vs SE {se:.3f} -> {word}")
+    mean_curve = seed_mean_curve(runs)
+    if len(mean_curve) < 3:
+        raise ValueError("the runs share fewer than three evals")
+    steps, accs, spread, se = last_three(mean_curve)
+    rounded = [round(a, 3) for a in accs]
+    word = verdict(spread, se, "plateaued", "still moving")
+    print(f"seed mean ({len(runs)} runs): steps {steps} acc {rounded} "
+          f"spread {spread:.3f} vs SE {se:.3f} -> {word}")
+    return int(spread > se)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__.strip().splitlines()[0] + "\nusage: python bench/plateau.py RUN_DIR [RUN_DIR ...]")
-    sys.exit(main([Path(a) for a in sys.argv[1:]]))
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, help="run folders of one arm")
+    args = ap.parse_args()
+    try:
+        code = main(args.runs)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    sys.exit(code)

@@ -360,6 +360,17 @@ def test_plateau_check_on_hand_made_curves(tmp_path):
     runs = [run("c", [0.2, 0.45, 0.5, 0.55]), run("d", [0.2, 0.45, 0.5, 0.55])]
     rising = subprocess.run([*script, *runs], check=False, capture_output=True, text=True)
     assert rising.returncode == 1 and "still moving" in rising.stdout
+    # evals every 5 (e) and every 10 (f) steps: both judged at steps 0, 10, 20 of the shared grid
+    runs = [run("e", [0.2, 0.3, 0.4, 0.45, 0.5]), run("f", [0.2, 0.4, 0.5])]
+    (tmp_path / "f" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * i, "generated_tokens": 2000 * i, "eval/accuracy": a,
+                    "eval/accuracy_se": 0.02}) + "\n" for i, a in enumerate([0.2, 0.4, 0.5])))
+    mixed = subprocess.run([*script, *runs], check=False, capture_output=True, text=True)
+    assert mixed.stdout.count("steps [0, 10, 20]") == 3, mixed.stdout
+    missing = subprocess.run([*script, str(tmp_path / "nope")], check=False, capture_output=True,
+                             text=True)
+    assert missing.returncode != 0 and missing.stderr.count("\n") == 1
+    assert missing.stderr.startswith("error: ")
 
 
 def test_area_default_budget_is_the_shortest_baseline_run_and_lora_is_its_own_arm(tmp_path):
