@@ -65,5 +65,6 @@ if __name__ == "__main__":
     try:
         code = main(args.runs)
     except (OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(code)

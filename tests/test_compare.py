@@ -369,7 +369,7 @@ def test_plateau_check_on_hand_made_curves(tmp_path):
     assert mixed.stdout.count("steps [0, 10, 20]") == 3, mixed.stdout
     missing = subprocess.run([*script, str(tmp_path / "nope")], check=False, capture_output=True,
                              text=True)
-    assert missing.returncode != 0 and missing.stderr.count("\n") == 1
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert missing.stderr.startswith("error: ")
 
 
