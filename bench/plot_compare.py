@@ -14,9 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 
+try:
+    import matplotlib
+except ImportError:
+    sys.exit("error: bench/plot_compare.py needs matplotlib: pip install -r bench/requirements.txt")
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 

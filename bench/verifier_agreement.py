@@ -56,4 +56,8 @@ def main():
 
 
 if __name__ == "__main__":
+    try:
+        import math_verify
+    except ImportError:
+        sys.exit("error: this benchmark needs math-verify: pip install -r bench/requirements.txt")
     main()
