@@ -1,5 +1,5 @@
-"""Reproduce the replay claims at tiny scale: every config of a folder × 5 seeds on the embedded task, then the
-comparison table (eval.py --compare) and its plot.
+"""Reproduce the replay claims at tiny scale: every config of a folder × 10 seeds on the embedded task, then
+the comparison table (eval.py --compare, the area to the shortest finished run's tokens) and its plot.
 
 Usage:
   python bench/reproduce_tiny.py                                      # configs/tiny/* -> runs/repro
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--configs", default="configs/tiny", help="folder with one <name>.yaml per arm")
     ap.add_argument("--out", default=None, help="where the runs go (default runs/repro, runs/repro_<folder suffix>)")
     ap.add_argument("--names", nargs="+", default=None, help="arms to run (default: every config in --configs)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     ap.add_argument("--jobs", type=int, default=2, help="training processes at once (each uses one thread)")
     a, extra = ap.parse_known_args()  # anything else is passed to train.py as an override
     configs = (REPO / a.configs).resolve()
@@ -102,7 +102,8 @@ def main() -> None:
         list(pool.map(lambda j: train(configs, j[0], j[1], out, extra + (rlep if j[0] == "rlep" else [])), jobs))
     print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
     runs = [str(out / f"{n}-s{s}") for n in names for s in a.seeds]
-    subprocess.run([sys.executable, "eval.py", "--compare", *runs, "--out-dir", str(out / "compare")], cwd=REPO, check=True)
+    compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest"]
+    subprocess.run([*compare, "--out-dir", str(out / "compare")], cwd=REPO, check=True)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
