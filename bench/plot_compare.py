@@ -41,6 +41,9 @@ def seed_curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     return grid, np.stack([np.interp(grid, x, y) for x, y in curves])
 
 
+LINESTYLES = ["-", "--", ":"]
+
+
 def plot(compare: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, arm in enumerate(compare["strategies"]):  # the baseline first, as the table
@@ -50,7 +53,8 @@ def plot(compare: dict, path: str) -> None:
         grid, ys = seed_curves(runs)
         mean = 100 * ys.mean(0)
         label = f"{arm['strategy']} (n={len(runs)})"
-        ax.plot(grid, mean, color=f"C{i}", label=label)
+        # matplotlib's cycle has 10 colours: arms 11-20 repeat them dashed
+        ax.plot(grid, mean, color=f"C{i}", linestyle=LINESTYLES[i // 10 % 3], label=label)
         if len(runs) > 1:
             half = 100 * t_quantile(0.975, len(runs) - 1) * ys.std(0, ddof=1) / len(runs) ** 0.5
             ax.fill_between(grid, mean - half, mean + half, color=f"C{i}", alpha=0.15)
