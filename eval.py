@@ -22,27 +22,25 @@ import signal
 import statistics
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-import compare
 import rewards
-import vllm_engine
-from config import MAX_EVAL_SAMPLES, MAX_STEP_TOKENS
+from config import DataConfig
 from data.loaders import NAMED, Problem, load_problems
-from preempt import STOP, Interrupted, should_stop
-from rollout import (
-    ChatTemplateError,
-    RolloutConfig,
-    end_ids,
-    generate,
-    load_model,
-    prompt_ids,
-    template_warnings,
-)
-from util import oneline
+from rollout import MIN_TEMPERATURE, RolloutConfig
+from support import compare, parallel
+from support.checks import MAX_EVAL_SAMPLES, MAX_STEP_TOKENS
+from support.models import load_pretrained
+from support.preempt import STOP, Interrupted, generating, should_stop
+from support.prompts import (ChatTemplateError, build_prompts, end_ids, frame_fault,
+                             template_warnings)
+from support.rundir import write_file
+from support.util import OneLineParser, RunError, oneline, path_fault, quiet
+from support.vllm import make_sampler
 
 DEFAULT_TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answer within "
                     "\\boxed{}.")
@@ -68,12 +66,13 @@ def maj_at_k(answers: list[str | None], correct: list[bool]) -> float:
     return float(bool(votes) and votes.most_common(1)[0][0] is True)
 
 
-def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: RolloutConfig,
-             reward_cfg, stop: list[int], desc: str | None = None, keep: bool = False,
-             engine=None, key: tuple = (), leave: bool = True) -> list[dict]:
-    """`sampling.group_size` completions per prompt (token ids), verified against `golds`: one
-    record per prompt. A tqdm bar if `desc`; a vllm_engine.Engine `engine` samples (seeded from
-    `key`). A stop (preempt.should_stop) returns the records of the problems finished."""
+def evaluate(sampler, prompts: list[list[int]], golds: list, sampling: RolloutConfig, reward_cfg,
+             desc: str | None = None, keep: bool = False, key: tuple = (),
+             leave: bool = True) -> list[dict]:
+    """`sampling.group_size` completions per prompt (token ids) from `sampler` (rollout.HFSampler
+    or support/vllm.py's, seeded from `key`), verified against `golds`: one record per prompt. A
+    tqdm bar if `desc`. A stop (preempt.should_stop) returns the records of the problems
+    finished."""
     k, records = sampling.group_size, []
     per_call = max(1, sampling.gen_batch_size // k)  # prompts per generate call
     starts = range(0, len(prompts), per_call)
@@ -82,7 +81,7 @@ def evaluate(model, tokenizer, prompts: list[list[int]], golds: list, sampling: 
             break
         chunk = prompts[start : start + per_call]
         try:
-            ro, texts = sample(model, tokenizer, chunk, sampling, stop, engine, (*key, start))
+            ro, texts = sampler.generate(chunk, sampling, key=(*key, start))
         except Interrupted:
             break
         gold = [g for g in golds[start : start + per_call] for _ in range(k)]
@@ -108,13 +107,21 @@ def record(ro, texts: list[str], rows: range, correct, gold, reward_cfg, keep: b
     return rec
 
 
-def sample(model, tokenizer, prompts, sampling, stop, engine, key) -> tuple:
-    """HF generate, or the engine (then the model measures a sampling entropy it cannot give)."""
-    if engine is None:
-        return generate(model, tokenizer, prompts, sampling, stop)
-    ro, texts = engine.generate(tokenizer, prompts, sampling, stop, key=key)
-    vllm_engine.fill_entropy(ro, model, sampling.temperature, next(model.parameters()).device)
-    return ro, texts
+def run_eval(r) -> dict:
+    """train.py's periodic held-out eval (r is train.Run), each rank's share from its own fixed
+    seed (how often we evaluate never changes training randomness); every rank gets the summary of
+    all. A stop abandons it (Interrupted)."""
+    e = r.cfg.eval
+    sampling = replace(r.cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p,
+                       top_k=0, max_new_tokens=e.max_new_tokens or r.cfg.rollout.max_new_tokens)
+    desc = f"eval {r.progress['step']}" if r.rank == 0 else None  # a bar: a real eval takes minutes
+    with parallel.fork_rng(r.device), generating(r.model, r.compute):
+        torch.manual_seed(r.cfg.seed + r.rank)
+        prompts = parallel.share(r.eval_prompts)
+        golds = parallel.share(r.eval_golds)
+        records = evaluate(r.sampler, prompts, golds, sampling, r.cfg.reward, desc, leave=False,
+                           key=("eval", r.cfg.seed, r.rank))
+    return summarize(parallel.gather(records))
 
 
 def summarize(records: list[dict]) -> dict[str, float]:
@@ -173,13 +180,21 @@ def check_args(args) -> Path:
               (args.limit is None or args.limit >= 1, "--limit must be ≥ 1"),
               (tokens >= 1, f"--max-new-tokens must be ≥ 1, got {tokens}"),
               (args.batch_size >= 1, f"--batch-size must be ≥ 1, got {args.batch_size}"),
-              (args.temperature >= 0, f"--temperature must be ≥ 0, got {args.temperature}"),
+              (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < 1e6,
+               (f"--temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 1e6), got "
+                f"{args.temperature}")),
               (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
               ("{problem}" in args.template, "--template must contain {problem}"),
               (0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")]
     for ok, msg in checks:
         if not ok:
             raise BadInput(msg)
+    for flag, path, suffix in (("--out-dir", args.out_dir, "/results.json"),
+                               ("--save-correct", args.save_correct, ".meta.json")):
+        fault = path_fault(path + suffix) if path is not None else None
+        if fault:
+            shown = repr(path) if len(path) < 60 else repr(path[:50]) + "..."
+            raise BadInput(f"{flag} {shown} {fault}")
     out = Path(args.out_dir) if args.out_dir else default_out_dir(args.model)
     for f in (out / "results.json", Path(args.save_correct or "")):
         if f.is_file() and not args.overwrite:
@@ -218,27 +233,42 @@ def load_benchmarks(args) -> dict[str, list[Problem]]:
 
 
 def load(args, benchmarks: dict, dtype) -> tuple:
-    """(model, tokenizer, end-of-completion ids, prompt ids per benchmark), or BadInput."""
+    """(model, tokenizer, end-of-completion ids, prompt ids per benchmark, notes to print once
+    loaded), or BadInput. Prompts over the model's context less --max-new-tokens are dropped (and
+    their problems), as in training; a template alone over it, or no prompt left, is refused."""
     try:
-        model, tokenizer = load_model(args.model, args.trust_remote_code, dtype)
+        model, tokenizer = load_pretrained(args.model, args.trust_remote_code, dtype)
         extra = args.stop_tokens.split(",") if args.stop_tokens else []
         stop = end_ids(tokenizer, model, args.chat_template, extra)
     except Exception as e:  # any failure to load is one line about the model
         said = oneline(e) or type(e).__name__
         raise BadInput(f"cannot load model {args.model}: {said}") from e
-    prompts = {}
+    context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    limit = context - args.max_new_tokens
+    frame = DataConfig(template=args.template, chat_template=args.chat_template,
+                       system_prompt=args.system_prompt)
+    prompts, notes = {}, []
     try:
         said = template_warnings(tokenizer, args.system_prompt) if args.chat_template else []
-        for what in said:
-            print(f"eval.py: warning: {args.model}: its chat template {what}: the model never "
-                  "sees it", file=sys.stderr)
+        notes += [f"eval.py: warning: {args.model}: its chat template {what}: the model never "
+                  "sees it" for what in said]
+        fault = frame_fault(tokenizer, frame, limit) if limit > 0 else None
+        if fault:
+            raise BadInput(f"--template (with --system-prompt and the chat template) is {fault} "
+                           f"before a problem is added ({context} positions less --max-new-tokens)")
         for name, problems in benchmarks.items():
-            prompts[name] = [prompt_ids(tokenizer, p.problem, args.template, args.chat_template,
-                                        args.system_prompt) for p in problems]
+            prompts[name], benchmarks[name], dropped = build_prompts(tokenizer, problems, frame,
+                                                                     limit, own_system=False)
+            if not prompts[name]:
+                raise BadInput(f"every problem of {name} is over {limit} tokens as a prompt (the "
+                               f"model's {context} positions less --max-new-tokens)")
+            if dropped:
+                notes.append(f"eval.py: note: dropped {dropped} problems of {name} over {limit} "
+                             "tokens")
     except ChatTemplateError as e:
         fix = "--system-prompt '' or --no-chat-template" if e.system else "--no-chat-template"
         raise BadInput(f"model {args.model}: its chat template {e.said}; pass {fix}") from e
-    return model, tokenizer, stop, prompts
+    return model, tokenizer, stop, prompts, notes
 
 
 def evaluate_checkpoint(args) -> int:
@@ -248,21 +278,24 @@ def evaluate_checkpoint(args) -> int:
     benchmarks = load_benchmarks(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, tokenizer, stop, prompts = load(args, benchmarks, dtype)
+    model, tokenizer, stop, prompts, notes = load(args, benchmarks, dtype)
     sampling = RolloutConfig(group_size=args.k, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              gen_batch_size=args.batch_size)
     torch.manual_seed(args.seed)
-    engine = make_engine(args, sampling, dtype, device, prompts)
     STOP.install()  # SIGTERM / SIGINT: the problems finished so far are written, marked partial
     model = model.to(device)
+    longest = max(len(p) for ps in prompts.values() for p in ps) + args.max_new_tokens
+    sampler = make_sampler(args.engine, model, tokenizer, stop, args.model, sampling, dtype,
+                           longest, args.trust_remote_code, what="--engine vllm")
+    if notes:  # set-up has succeeded: what it noticed
+        print("\n".join(notes), file=sys.stderr)
     records, done = {}, []
     for name, problems in benchmarks.items():
         if should_stop():
             break
-        records[name] = evaluate(model, tokenizer, prompts[name], [p.answer for p in problems],
-                                 sampling, rewards.RewardConfig(), stop, desc=name,
-                                 keep=bool(args.save_correct), engine=engine,
+        records[name] = evaluate(sampler, prompts[name], [p.answer for p in problems], sampling,
+                                 rewards.RewardConfig(), desc=name, keep=bool(args.save_correct),
                                  key=("eval.py", args.seed, name))
         done += problems[: len(records[name])]
         for p, r in zip(problems, records[name]):
@@ -283,9 +316,9 @@ def evaluate_checkpoint(args) -> int:
                "benchmarks": results, "problems": records}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(summary, indent=1))
+        write_file(out / "results.json", json.dumps(summary, indent=1))
     except OSError as e:
-        raise BadInput(f"cannot write {out / 'results.json'}: {e.strerror}") from e
+        raise BadInput(f"cannot write {out / 'results.json'}: {e.strerror or oneline(e)}") from e
     print(f"\nwrote {out / 'results.json'}")
     if not partial:
         return 0
@@ -294,39 +327,28 @@ def evaluate_checkpoint(args) -> int:
     return 128 + STOP.signum
 
 
-def make_engine(args, sampling: RolloutConfig, dtype, device: str, prompts: dict):
-    """--engine vllm: an engine on --model, long enough for every prompt and --max-new-tokens."""
-    if args.engine == "hf":
-        return None
-    if not vllm_engine.available():
-        raise BadInput("--engine vllm needs vLLM (pip install -r requirements-vllm.txt)")
-    longest = max(len(p) for ps in prompts.values() for p in ps) + args.max_new_tokens
-    try:
-        return vllm_engine.Engine(args.model, sampling, dtype, torch.device(device), longest,
-                                  args.trust_remote_code)
-    except (ValueError, RuntimeError, OSError) as e:
-        said = oneline(e)
-        raise BadInput(f"--engine vllm: {type(e).__name__}: {said}") from e
-
-
 def save_correct(path: str, problems: list[Problem], records: list[dict], meta: dict) -> int:
     """RLEP phase I: every verified-correct completion of `records` (evaluate(keep=True)) with its
     problem, token ids and behaviour log-probs, so phase II replays exactly these tokens; `meta`
-    into `<path>.meta.json`. Written aside, then renamed: `path` holds whole lines. Returns the
-    number written."""
+    into `<path>.meta.json`. Both written aside, then renamed: `path` holds whole lines, and a
+    failed write (a full disk) leaves no file behind. Returns the number written."""
     n, tmp = 0, Path(path).with_name(f".tmp_{Path(path).name}")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as f:
-        for p, r in zip(problems, records, strict=True):
-            kept = zip(r.pop("completions"), r.pop("ids"), r.pop("behav_logp"), r["correct"])
-            for text, ids, logp, ok in kept:
-                if ok:
-                    row = {"problem": p.problem, "completion": text, "completion_ids": ids,
-                           "behav_logp": [round(x, 6) for x in logp]}
-                    f.write(json.dumps(row) + "\n")
-                    n += 1
-    os.replace(tmp, path)
-    Path(path + ".meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            for p, r in zip(problems, records, strict=True):
+                kept = zip(r.pop("completions"), r.pop("ids"), r.pop("behav_logp"), r["correct"])
+                for text, ids, logp, ok in kept:
+                    if ok:
+                        row = {"problem": p.problem, "completion": text, "completion_ids": ids,
+                               "behav_logp": [round(x, 6) for x in logp]}
+                        f.write(json.dumps(row) + "\n")
+                        n += 1
+        write_file(Path(path + ".meta.json"), json.dumps(meta, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise BadInput(f"cannot write {path}: {e.strerror or oneline(e)}") from e
     return n
 
 
@@ -335,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--compare" in argv:  # comparing runs: compare.py, with this program's name in its errors
         compare.main([a for a in argv if a != "--compare"], prog="eval.py")
         return 0
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="eval.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face id")
     ap.add_argument("--out-dir", help="default: <run>/eval/<model>, eval_results/<model>")
     ap.add_argument("--benchmarks", default="tiny",
@@ -363,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:
-        return evaluate_checkpoint(args)
-    except BadInput as e:
+        with quiet(args.debug):  # dependencies' warnings: --debug only
+            return evaluate_checkpoint(args)
+    except (BadInput, RunError) as e:  # RunError: the vLLM engine's
         if args.debug:
             raise
         print(f"eval.py: error: {e}", file=sys.stderr)

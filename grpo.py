@@ -60,18 +60,17 @@ symmetric clip against the sampling policy, k3 KL to a reference with beta > 0):
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
-from types import MethodType
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-from util import MAX, all_ranks, rank_and_world, timed
+from support import parallel
+from support.gate import Gate
+from support.logprobs import _logprobs, micro_batches, no_grad_logprobs
+from support.parallel import MAX, all_ranks
+from support.util import timed
 
 
 @dataclass
@@ -191,205 +190,6 @@ def flat_groups(rewards: Tensor, group: Tensor) -> Tensor:
     return s.flat[s.index]
 
 
-HEAD_CHUNK = 2**25
-"""Logits per chunk of the output layer (128 MiB in float32): no (tokens, V) tensor is whole."""
-
-
-def hf_module(model):
-    """The HF model inside DDP and torch.compile wrappers (an FSDP2 model is its own class)."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        elif hasattr(model, "get_base_model"):  # peft's LoRA wrapper
-            model = model.get_base_model()
-        elif not isinstance(model, torch.nn.Module):  # a plain wrapper (lora.AdaptersOff)
-            model = model.model
-        else:
-            return model
-
-
-def output_layer(model):
-    """The model's output layer, its forward replaced (once) by `_head_forward`: float32 logits, or
-    chunked log-probs while `_asking` holds a request. Generation and the log-prob passes call
-    it."""
-    m = hf_module(model)
-    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(getattr(m, "config", None), key, None) not in (None, 1.0):
-            raise ValueError(f"the model's config sets {key}: logits changed after the output "
-                             "layer are not supported by the chunked log-probs")
-    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
-    if not isinstance(getattr(head, "weight", None), Tensor):
-        raise TypeError(f"{type(m).__name__} has no output layer (get_output_embeddings)")
-    if "forward" not in head.__dict__:
-        head.forward = MethodType(_head_forward, head)
-    return head
-
-
-@contextmanager
-def _asking(model, targets: Tensor, valid: Tensor, temperature: float, with_entropy: bool):
-    """While inside, the output layer returns (B, C, 2): the log-prob of `targets` (B, C) and the
-    entropy at each of the first C positions, 0 where not `valid`. The request waits on the layer,
-    so the forward that runs is the wrapper's: DDP's gradient sync, FSDP's unsharding of the root's
-    weights (embeddings, final norm, output layer), the compiled graph."""
-    head = output_layer(model)
-    head._logprob_request = (targets, valid, temperature, with_entropy)
-    try:
-        yield
-    finally:
-        head._logprob_request = None
-
-
-@torch.compiler.disable  # a compiled policy breaks its graph here: the chunks run eagerly
-def _head_forward(head, hidden: Tensor) -> Tensor:
-    """The output layer's forward on hidden states (B, C', H): float32 logits (B, C', V) without a
-    request (generation, the prompt pass), else `_asking`'s (B, C, 2) from the valid positions."""
-    request = head.__dict__.get("_logprob_request")
-    w, b = head.weight, getattr(head, "bias", None)
-    if request is None:
-        with torch.autocast(hidden.device.type, enabled=False):
-            dtype = torch.promote_types(hidden.dtype, torch.float32)
-            return F.linear(hidden.to(dtype), *_upcast(w, b, dtype))
-    targets, valid, temperature, with_entropy = request  # (B, C), (B, C)
-    listener = head.__dict__.get("_weight_grad_listener")  # `OutputGrad`'s
-    h = hidden[:, : targets.shape[1]][valid]  # (N, H): padding never reaches the output layer
-    logp, ent = _ChunkedHead.apply(h, w, b, targets[valid], temperature, with_entropy, listener)
-    out = torch.zeros(*targets.shape, 2, dtype=logp.dtype, device=logp.device)  # (B, C, 2)
-    return out.index_put((valid,), torch.stack([logp, ent], -1))
-
-
-class _ChunkedHead(torch.autograd.Function):
-    """logp (N,) of `targets` under softmax((hidden·Wᵀ + b) / T) and its entropy (N,), HEAD_CHUNK
-    logits at a time in at least float32 (autocast off, bf16 weights upcast). Backward recomputes
-    each chunk's logits: one (rows, V) chunk is alive at a time (≈ 1 byte per logit, not ~20).
-    `listener`, when given, receives the weight's gradient from this layer alone (even frozen)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, listener=None):
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
-        n = max(1, HEAD_CHUNK // weight.shape[0])  # rows per chunk
-        lse = torch.zeros(len(hidden), dtype=dtype, device=hidden.device)  # (N,)
-        logp, ent = torch.zeros_like(lse), torch.zeros_like(lse)  # (N,)
-        with torch.autocast(hidden.device.type, enabled=False):
-            w, b = _upcast(weight, bias, dtype)
-            for s in range(0, len(hidden), n):
-                rows = slice(s, s + n)
-                z = F.linear(hidden[rows].to(dtype), w, b).div_(temperature)  # (n, V)
-                lse[rows] = torch.logsumexp(z, dim=-1)
-                logp[rows] = z.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
-                if with_entropy:  # H = lse − Σ p·z, the sum a batched dot: no third (n, V)
-                    p = (z - lse[rows, None]).exp_()  # (n, V)
-                    ent[rows] = lse[rows] - (p[:, None] @ z[:, :, None]).view(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.listener = temperature, listener
-        ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, _):  # entropy is never differentiated
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        n, T = max(1, HEAD_CHUNK // weight.shape[0]), ctx.temperature
-        g = grad_logp.to(lse.dtype) / T  # (N,) d loss / d z_target, z = logits / T
-        with torch.autocast(hidden.device.type, enabled=False):
-            w, b = _upcast(weight, bias, lse.dtype)
-            gh = torch.empty(hidden.shape, dtype=w.dtype, device=w.device)  # (N, H)
-            want_gw = ctx.needs_input_grad[1] or ctx.listener is not None
-            gw = torch.zeros_like(w) if want_gw else None  # (V, H)
-            gb = None if b is None else torch.zeros_like(b)  # (V,)
-            for s in range(0, len(hidden), n):
-                rows = slice(s, s + n)
-                x = hidden[rows].to(w.dtype)  # (n, H)
-                dz = F.linear(x, w, b).div_(T).sub_(lse[rows, None]).exp_()  # (n, V) softmax p
-                dz.mul_(-g[rows, None])  # d logp / d logits = (onehot − p) / T, times g
-                dz.scatter_add_(1, targets[rows, None], g[rows, None])
-                gh[rows] = dz @ w
-                if gw is not None:
-                    gw.addmm_(dz.T, x)
-                if gb is not None:
-                    gb += dz.sum(0)
-        if ctx.listener is not None:
-            ctx.listener(gw)
-        gw = gw.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        gb = gb.to(bias.dtype) if gb is not None and ctx.needs_input_grad[2] else None
-        return gh.to(hidden.dtype), gw, gb, None, None, None, None
-
-
-def _upcast(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple:
-    return weight.to(dtype), None if bias is None else bias.to(dtype)
-
-
-def _row_logprobs(model, tokens, attention_mask, valid, temperature, with_entropy):
-    """(B, L) log-probs (and entropies) of whole rows, 0 where `valid` (B, L−1) is False."""
-    with _asking(model, tokens[:, 1:], valid, temperature, with_entropy):
-        out = model(input_ids=tokens, attention_mask=attention_mask).logits  # (B, L−1, 2)
-    logp = F.pad(out[..., 0], (1, 0))  # (B, L): shifted right, position t−1 predicts token t
-    ent = F.pad(out[..., 1].detach(), (1, 0))
-    return logp, ent if with_entropy else None
-
-
-def token_logprobs(model, tokens: Tensor, attention_mask: Tensor, temperature: float,
-                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Log-probs of each token under the model at temperature T, aligned with `tokens`; optionally
-    the entropy.
-
-    With z = logits[:, t−1] / T:  logp[:, t] = z[tokens[:, t]] − logsumexp(z),  logp[:, 0] = 0, and
-    0 on padding. entropy[:, t] = logsumexp(z) − Σ_v p_v z_v, p = softmax(z): of the distribution
-    that predicted t (no gradient). The output layer and the log-softmax run in chunks in at least
-    float32 (`_ChunkedHead`), whatever the compute dtype: no (B, L, V) tensor exists. Gradients flow
-    to logp when called under grad.
-    """
-    valid = attention_mask[:, 1:].bool()  # (B, L−1)
-    return _row_logprobs(model, tokens, attention_mask, valid, temperature, with_entropy)
-
-
-def completion_logprobs(model, tokens: Tensor, prompt_len: Tensor, seq_len: Tensor,
-                        temperature: float, with_entropy: bool = False,
-                        share_prompt: bool = True) -> tuple[Tensor, Tensor | None]:
-    """`token_logprobs` of the completion tokens of rows `prompt | completion | pad` (B, L); 0
-    elsewhere.
-
-    Each distinct prompt (all but its last token) runs once and its KV cache is copied to its rows;
-    the completion pass attends to it at the positions continuing the prompt, as one pass over the
-    whole row would, and gradients flow back through the copies. share_prompt=False runs whole
-    rows: gradient checkpointing drops the KV cache, and FSDP frees a layer's gathered weights after
-    its forward, while backward through the cache needs them.
-    """
-    B, L = tokens.shape
-    ar = torch.arange(L, device=tokens.device)
-    in_completion = (ar[None] >= prompt_len[:, None]) & (ar[None] < seq_len[:, None])  # (B, L)
-    if not share_prompt or int(prompt_len.min()) < 2:
-        am = (ar[None] < seq_len[:, None]).long()  # (B, L)
-        return _row_logprobs(model, tokens, am, in_completion[:, 1:], temperature, with_entropy)
-
-    n_prefix, comp_len = prompt_len - 1, seq_len - prompt_len  # (B,)
-    P, C = int(n_prefix.max()), int(comp_len.max())
-    prefix = torch.where(ar[None, :P] < n_prefix[:, None], tokens[:, :P], 0)  # (B, P), right-padded
-    keyed = torch.cat([n_prefix[:, None], prefix], 1)  # (B, 1 + P)
-    distinct, row_prefix = torch.unique(keyed, dim=0, return_inverse=True)  # (n, 1 + P), (B,)
-    prefix_mask = (ar[None, :P] < distinct[:, :1]).long()  # (n, P)
-    cache = model(input_ids=distinct[:, 1:], attention_mask=prefix_mask, use_cache=True,
-                  logits_to_keep=1).past_key_values
-    if cache is None or cache.get_seq_length() == 0:
-        raise RuntimeError("the model returned no KV cache (gradient checkpointing?): "
-                           "call with share_prompt=False")
-    cache.batch_select_indices(row_prefix)
-    j = ar[None, :C]  # (1, C)
-    valid = j < comp_len[:, None]  # (B, C) input j predicts completion token j
-    col = (n_prefix[:, None] + j).clamp(max=L - 2)  # (B, C) input j's column; its target's is + 1
-    mask = torch.cat([prefix_mask[row_prefix], valid.long()], 1)  # (B, P + C)
-    with _asking(model, tokens.gather(1, col + 1), valid, temperature, with_entropy):
-        out = model(input_ids=tokens.gather(1, col), attention_mask=mask, past_key_values=cache,
-                    position_ids=n_prefix[:, None] + j, use_cache=True).logits  # (B, C, 2)
-
-    def to_rows(x: Tensor) -> Tensor:  # (B, C) -> (B, L): token j back at column prompt_len + j
-        return torch.zeros(B, L, dtype=x.dtype, device=x.device).scatter_add(1, col + 1, x)
-
-    if not with_entropy:
-        return to_rows(out[..., 0]), None
-    return to_rows(out[..., 0]), to_rows(out[..., 1].detach())
-
-
 def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
                 onpolicy: Tensor, cfg: GRPOConfig, *, n_seqs: int, n_tokens: int,
                 max_new_tokens: int, prox_logp: Tensor | None = None,
@@ -492,50 +292,6 @@ def _engine_weight(prox: Tensor, behav: Tensor, rows: Tensor | None, cap: float)
 # ------------------------------------------------------------------------------------ the update
 
 
-def _logprobs(model, mb, s: UpdateSettings, device, with_entropy=False):
-    # FSDP: asked of the module, not of a parameter (an unsharded root holds plain tensors)
-    sharded = isinstance(hf_module(model), FSDPModule)
-    share = not s.gradient_checkpointing and not (torch.is_grad_enabled() and sharded)
-    return completion_logprobs(model, mb.tokens.to(device), mb.prompt_len.to(device),
-                               mb.seq_len.to(device), s.temperature, with_entropy,
-                               share_prompt=share)
-
-
-def no_grad_logprobs(model, batch, s: UpdateSettings, compute, device,
-                     with_entropy=False) -> tuple[Tensor, Tensor]:
-    """(B, L) log-probs (and entropies) of `batch`'s rows under `model`, without gradients,
-    optim.logprob_batch_size rows at a time. Under FSDP each forward is collective, so a rank with
-    fewer chunks repeats a chunk (discarded)."""
-    logp, ent = torch.zeros(batch.tokens.shape), torch.zeros(batch.tokens.shape)  # (B, L)
-    chunks = list(torch.argsort(batch.completion_len).split(s.optim.logprob_batch_size))
-    for j in range(int(all_ranks(len(chunks), MAX))):
-        rows = chunks[min(j, len(chunks) - 1)]
-        with torch.no_grad(), compute:
-            lp, e = _logprobs(model, batch.select(rows), s, device, with_entropy)
-        if j < len(chunks):
-            logp[rows, : lp.shape[1]] = lp.float().cpu()
-            ent[rows, : lp.shape[1]] = e.float().cpu() if with_entropy else 0.0
-    return logp, ent
-
-
-def micro_batches(rows: Tensor, completion_len: Tensor, seq_len: Tensor, o) -> list[Tensor]:
-    """`rows` (indices) sorted by completion length and cut into micro-batches (o is optim.*):
-    of o.micro_batch_size rows, or, when o.micro_batch_tokens > 0, as many rows as fit in that
-    many padded tokens (a longer row goes alone). The loss does not depend on the cut."""
-    rows = rows[torch.argsort(completion_len[rows], stable=True)]
-    if o.micro_batch_tokens == 0:
-        return [m for m in rows.split(o.micro_batch_size) if len(m)]
-    out, start, longest = [], 0, 0
-    for k, i in enumerate(rows.tolist()):
-        longest = max(longest, int(seq_len[i]))
-        if k > start and (k + 1 - start) * longest > o.micro_batch_tokens:
-            out.append(rows[start:k])
-            start, longest = k, int(seq_len[i])
-    if len(rows) > start:
-        out.append(rows[start:])
-    return out
-
-
 def minibatch_plan(n: int, o) -> list[tuple[int, Tensor]]:
     """(pass, rows) of every optimizer step of an update over n rows: o.epochs passes, each a
     shuffle split into o.minibatches. The shuffles (torch's global RNG, saved in checkpoints) are
@@ -549,67 +305,17 @@ def minibatch_plan(n: int, o) -> list[tuple[int, Tensor]]:
     return plan
 
 
-class OutputGrad:
-    """The gradient of the loss with respect to the output layer's weight (lm_head), summed over
-    the micro-batches of an optimizer step, as `_ChunkedHead.backward` hands it to `_add`. Not the
-    weight's .grad: with tied embeddings that also holds the input embedding's share, a frozen
-    lm_head (LoRA) has none, and under FSDP it is a shard. Costs one (V, d) addition per
-    micro-batch and one (V, d) all-reduce per optimizer step; changes no gradient."""
-
-    def __init__(self, model):
-        self.head = output_layer(model)
-        self.shape = tuple(self.head.weight.shape)  # (V, d); DTensor: the global shape
-        self.device = self.head.weight.device
-        self.acc = None
-        self.head._weight_grad_listener = self._add
-
-    def _add(self, g: Tensor) -> None:  # (V, d), this forward's output-layer share
-        if self.acc is None:  # a copy: g itself may become the weight's .grad and grow in place
-            self.acc = g.float().clone()
-        else:
-            self.acc = self.acc + g.float()
-
-    def pop_norm(self) -> float:
-        """‖G^T·H‖ of the gradient DDP/FSDP apply (the ranks' sum ÷ world, as each rank's loss is
-        × world), then start again from zero."""
-        acc = self.acc if self.acc is not None else torch.zeros(self.shape, device=self.device)
-        self.acc = None
-        if not dist.is_initialized():
-            return float(acc.norm())
-        dist.all_reduce(acc)
-        return float(acc.norm()) / dist.get_world_size()
-
-    def close(self) -> None:
-        self.head._weight_grad_listener = None
-
-
-class Gate:
-    """optim.gate (DGG, arXiv 2605.19425): drop an optimizer step of a reuse pass (2..E) whose
-    lm_head gradient norm exceeds gate × that of the step's first optimizer step with a gradient
-    (the single-use gradient of this very batch). That reference needs no state across steps (so
-    resume stays exact) and normalises away what changes between steps (batch size, advantage
-    scale, flat groups). The paper's own rule (secondary summaries: a Z-score of the lm_head
-    gradient energy over a sliding window) we could not read. Every rank takes the same decision.
-    """
-
-    def __init__(self, model, gate: float):
-        self.head, self.gate, self.ref = OutputGrad(model), gate, 0.0
-
-    def check(self, epoch: int) -> dict:
-        norm = self.head.pop_norm()
-        if epoch == 0 and self.ref == 0:
-            self.ref = norm
-        out = {"optim/lm_head_grad_norm": norm}
-        if epoch == 0:
-            return out
-        no_ref = math.inf if norm > 0 else 0.0  # the first pass had no gradient at all
-        out["optim/lm_head_grad_ratio_max"] = norm / self.ref if self.ref > 0 else no_ref
-        crossed = self.gate > 0 and norm > self.gate * self.ref
-        agreed = all_ranks(float(crossed), MAX)
-        return out | {"gated": agreed > 0}
-
-    def close(self) -> None:
-        self.head.close()
+def get_lr(step: int, cfg) -> float:
+    """Learning rate of generation step `step` (0-based; cfg is the run's config): linear warm-up,
+    then constant or cosine decay. Warm-up and decay count generation steps, as verl does."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
+    cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if o.schedule == "cosine":
+        return o.lr * cosine
+    return o.lr
 
 
 def update_policy(s: UpdateSettings, model, policy, optimizer, batch, device, compute=None,
@@ -632,7 +338,6 @@ def update_policy(s: UpdateSettings, model, policy, optimizer, batch, device, co
 
 def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> tuple:
     times, o = {}, s.optim
-    _, world = rank_and_world()
     trained = ~batch.truncated if s.mask_truncated else torch.ones(len(batch), dtype=torch.bool)
     with timed(times, "prox_logprobs"):  # π_old at the start of the step, for the later steps
         reuse = o.minibatches > 1 or o.epochs > 1
@@ -659,10 +364,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
                 idx = micro[j] if real else torch.arange(1)  # a stand-in of loss weight 0
                 mb = batch.select(idx)
                 mask, cols = mb.completion_mask().to(device), mb.tokens.shape[1]
-                sync = nullcontext()
-                if hasattr(policy, "no_sync") and j < n_micro - 1:  # DDP syncs on the last one
-                    sync = policy.no_sync()
-                with sync, compute:
+                with parallel.micro_sync(policy, last=j == n_micro - 1), compute:
                     logp, ent = _logprobs(policy, mb, s, device, with_entropy=True)  # (b, l)
                     loss, m = policy_loss(
                         logp, mb.behav_logp.to(device), mb.advantage.to(device), mask,
@@ -673,7 +375,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
                         prox_logp=None if old is None else old[idx, :cols].to(device),
                         ref_logp=None if ref_lp is None else ref_lp[idx, :cols].to(device))
                     if total[2] > 0:
-                        (loss * (world if real else 0.0)).backward()  # DDP/FSDP average
+                        parallel.backward(loss, real)
                 if real:
                     entropy[idx] = ((ent * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
                     if prox is None:  # one optimizer step: this forward is at the sampling weights
@@ -685,7 +387,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
             measured = gate.check(epoch) if gate else {}
             gated = measured.pop("gated", False)
             step = _optimizer_step(o.grad_clip, model, optimizer, sums, hi, lo, total[2] > 0, gated)
-            steps.append(step | measured)
+            steps.append(step | measured | {"rows": all_ranks(float(len(run)))})
             reasons.append(steps[-1].pop("skipped"))
         if gated:  # the lm_head gradient surged: stop reusing this batch
             break
@@ -706,6 +408,7 @@ def _summary(steps: list[dict], reasons: list, gaps: list[Tensor], minibatches: 
     metrics |= _gap_metrics(gaps)
     applied = [step for step, why in zip(steps, reasons) if why != "gated"]
     metrics["tokens"] = sum(step.get("tokens", 0.0) for step in applied)
+    metrics["rows"] = sum(step["rows"] for step in applied)  # rows with a gradient, every pass
     metrics["optim/epochs_run"] = len(applied) / minibatches
     metrics["optim/gated"] = float("gated" in reasons)
     return metrics
@@ -751,7 +454,7 @@ def _optimizer_step(grad_clip: float, model, optimizer, sums: dict, hi: Tensor, 
     grad_norm = torch.tensor(0.0)
     if any_signal:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+    grad_norm = float(parallel.full_tensor(grad_norm))
     skipped = None if any_signal else "zero_adv"
     if any_signal and not (math.isfinite(out["loss"]) and math.isfinite(grad_norm)):
         skipped = "nonfinite"  # the weights are left as they are
@@ -760,7 +463,7 @@ def _optimizer_step(grad_clip: float, model, optimizer, sums: dict, hi: Tensor, 
     if skipped is None:
         optimizer.step()
         trained = [p for p in model.parameters() if p.requires_grad]  # a frozen base never changes
-        shards = [p.to_local() if isinstance(p, DTensor) else p for p in trained]
+        shards = [parallel.local(p) for p in trained]
         if all_ranks(float(not all(bool(torch.isfinite(p).all()) for p in shards))):
             raise FloatingPointError("non-finite weights after the optimizer step")
     optimizer.zero_grad(set_to_none=True)

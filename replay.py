@@ -25,13 +25,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from data.solutions import file_sha256, read_rlep_source, rlep_generated_tokens
+from data.solutions import PhaseOne, file_sha256, read_rlep_source, rlep_generated_tokens
 from grpo import group_stats
-from rollout import Rollouts, Row, pack
-from util import all_ranks
+from rollout import Rollouts
+from support import replay_state
+from support.parallel import all_ranks
 
 STRATEGIES: dict[str, type[Replay]] = {}
-RAGGED = ("tokens", "behav_logp")  # the (rows, max_len) fields: a checkpoint holds occupied rows
 
 
 @dataclass
@@ -153,77 +153,11 @@ class Replay:
         return m
 
     def state_dict(self) -> dict:
-        """Every per-slot field; the tokens and log-probs of occupied slots only, cut to their
-        longest row (a write replaces whole rows: an empty slot's contents are never read)."""
-        slots = self.stored()
-        L = int(self.rows.seq_len[slots].max()) if len(slots) else 0
-        flat = [f.name for f in fields(Rollouts) if f.name not in RAGGED]
-        d = {k: getattr(self.rows, k).clone() for k in flat}
-        d["tokens"] = self.rows.tokens[slots, :L]
-        d["behav_logp"] = self.rows.behav_logp[slots, :L]
-        for k in ("valid", "used", "score", *self.STATE):
-            d[k] = _copy(getattr(self, k))
-        d["head"] = self.head
-        d["rng"] = self.gen.get_state()
-        d["evicted"] = dict(self.evicted)
-        d["last"] = dict(self.last)
-        d["max_len"] = self.rows.tokens.shape[1]
-        return d
+        """The occupied rows, every slot's fields and STATE (support/replay_state.py)."""
+        return replay_state.state_dict(self)
 
     def load_state_dict(self, d: dict) -> None:
-        shape, here = (len(d["valid"]), d["max_len"]), tuple(self.rows.tokens.shape)
-        if shape != here:
-            raise ValueError(f"replay state holds {shape} rows × tokens, this buffer {here}")
-        empty = Rollouts.empty(*shape, self.pad_id)
-        rows = {f.name: d[f.name].clone() for f in fields(Rollouts) if f.name not in RAGGED}
-        self.rows = Rollouts(**rows, tokens=empty.tokens.int(), behav_logp=empty.behav_logp)
-        slots = d["valid"].nonzero().squeeze(1)
-        L = d["tokens"].shape[1]
-        self.rows.tokens[slots, :L] = d["tokens"].int()
-        self.rows.behav_logp[slots, :L] = d["behav_logp"]
-        for k in ("valid", "used", "score", *self.STATE):
-            setattr(self, k, _copy(d[k]))
-        self.head = d["head"]
-        self.evicted = dict(d["evicted"])
-        self.last = dict(d["last"])
-        self.gen.set_state(d["rng"])
-
-    def load_split(self, parts: list[dict], rank: int, world: int, seed: int) -> None:
-        """Resume the state_dicts of another number of processes (`parts`, one per saved rank):
-        their rows merged and dealt out by prompt (the i-th prompt in id order to rank i mod world),
-        written oldest first; scores and replay counts kept; STATE merged (merge_state); eviction
-        totals the saved ranks' mean (the logged mean goes on); the sampler restarts from `seed`."""
-        merged, score, used = [], [], []
-        for d in parts:
-            slots = d["valid"].nonzero().squeeze(1)
-            flat = {f.name: d[f.name][slots] for f in fields(Rollouts) if f.name not in RAGGED}
-            merged.append(Rollouts(**flat, tokens=d["tokens"].long(), behav_logp=d["behav_logp"]))
-            score.append(d["score"][slots])
-            used.append(d["used"][slots])
-        rows = Rollouts.cat(merged, self.pad_id)
-        score = torch.cat(score)
-        used = torch.cat(used)
-        _, prompt_rank = torch.unique(rows.prompt_idx, return_inverse=True)
-        mine = torch.nonzero(prompt_rank % world == rank).squeeze(1)
-        mine = mine[torch.argsort(rows.born[mine], stable=True)]  # oldest first, then rank, slot
-        if len(mine):
-            slots = self.write(rows.select(mine), score[mine])
-            self.used[slots] = used[mine][len(mine) - len(slots) :]
-        for k in self.STATE:
-            setattr(self, k, self.merge_state([d[k] for d in parts]))
-        self.evicted = {k: sum(d["evicted"][k] for d in parts) // len(parts) for k in self.evicted}
-        self.last = dict(parts[0]["last"])
-        self.gen.manual_seed(seed)
-
-    @staticmethod
-    def merge_state(values: list):
-        """One STATE attribute from the saved ranks' values: tensors of ids united, flags or-ed,
-        anything else rank 0's."""
-        if torch.is_tensor(values[0]):
-            return torch.unique(torch.cat(values))
-        if isinstance(values[0], bool):
-            return any(values)
-        return values[0]
+        replay_state.load_state_dict(self, d)
 
     # ---- storage, for the strategies
 
@@ -317,10 +251,6 @@ class Replay:
         return slots[rank < n]
 
 
-def _copy(value):
-    return value.clone() if torch.is_tensor(value) else value
-
-
 STRATEGIES[Replay.name] = Replay
 
 
@@ -381,61 +311,6 @@ class AperReplay(Replay):
             self.last["priority_min"] = self.score[self.valid].min().item()
             self.last["priority_max"] = weight.max().item()
         return Rollouts.cat([fresh, rows], self.pad_id)
-
-
-class PhaseOne:
-    """RLEP's phase-I store: every verified success of `rlep_source`, kept whole beside the ring
-    (`capacity` does not apply). Ragged: the completions' int32 ids in one flat tensor with row
-    offsets, sorted by prompt so a prompt's rows are one range; no log-probs (RLEP replays them as
-    on-policy). A checkpoint holds the file's sha256 and each row's replay count, not the rows."""
-
-    def __init__(self, completions: list[list[int]], prompt_idx: list[int], n_prompts: int,
-                 sha256: str):
-        order = sorted(range(len(completions)), key=prompt_idx.__getitem__)  # stable: file order
-        lengths = torch.tensor([len(completions[i]) for i in order])
-        self.ids = torch.tensor([t for i in order for t in completions[i]], dtype=torch.int32)
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # (N + 1,)
-        self.prompt_idx = torch.tensor([prompt_idx[i] for i in order], dtype=torch.long)  # (N,)
-        self.first = torch.searchsorted(self.prompt_idx, torch.arange(n_prompts + 1))  # (P + 1,)
-        self.used = torch.zeros(len(order), dtype=torch.int32)  # (N,) times each row was replayed
-        self.sha256 = sha256
-
-    def __len__(self) -> int:
-        return len(self.prompt_idx)
-
-    def completion(self, i: int) -> list[int]:
-        return self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
-
-    def draw(self, prompts: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-        """Up to n rows of each of `prompts` (unique ids), uniformly without replacement: the n
-        smallest of one uniform key per row of theirs."""
-        lo, counts = self.first[prompts], self.first[prompts + 1] - self.first[prompts]  # (K,)
-        start = torch.cumsum(counts, 0) - counts  # (K,) where each prompt's rows begin among `rows`
-        rank = torch.arange(int(counts.sum())) - torch.repeat_interleave(start, counts)
-        rows = torch.repeat_interleave(lo, counts) + rank  # (R,) every row of these prompts
-        key = torch.rand(len(rows), generator=gen)
-        owner = torch.repeat_interleave(torch.arange(len(prompts)), counts)
-        order = torch.argsort(owner * 2.0 + key, stable=True)  # by prompt, then by key (< 1)
-        return rows[order][rank < n]
-
-    def rollouts(self, rows: torch.Tensor, prompts: list, pad_id: int, reward: float) -> Rollouts:
-        """The stored `rows` as replayed, on-policy, verified-correct rollouts (slot -1)."""
-        n = len(rows)
-        if not n:
-            return Rollouts.empty(0, 1, pad_id)
-        parts = []
-        for i in rows.tolist():
-            prompt = prompts[int(self.prompt_idx[i])]
-            seq = prompt + self.completion(i)
-            logp = [0.0] * (len(seq) - len(prompt))
-            row = Row(ids=seq, prompt_len=len(prompt), logp=logp, truncated=False, entropy=0.0)
-            parts.append(row)
-        out = pack(parts, pad_id, self.prompt_idx[rows], torch.full((n,), -1), 0)
-        out.reward = torch.full((n,), reward)
-        out.correct = torch.ones(n, dtype=torch.bool)
-        out.replayed = torch.ones(n, dtype=torch.bool)
-        self.used.index_add_(0, rows, torch.ones(n, dtype=torch.int32))
-        return out
 
 
 class RlepReplay(Replay):
@@ -507,10 +382,10 @@ class RlepReplay(Replay):
         if self.store:
             self.store.used = d["source_used"].clone()
 
-    def load_split(self, parts, rank, world, seed):
-        """As the base; phase I's replay counts are the saved ranks' sums (each rank holds it)."""
+    def merge_split(self, parts):
+        """After support/replay_state.load_split: phase I's replay counts are the saved ranks'
+        sums (each rank holds the whole store)."""
         self._same_source(parts[0])
-        super().load_split(parts, rank, world, seed)
         if self.store:
             counts = torch.stack([d["source_used"] for d in parts])
             self.store.used = counts.sum(0, dtype=torch.int32)
@@ -673,21 +548,6 @@ class GroupReplay(Replay):
         self.last["flat_groups"] = float(len(flat))
         kept = fresh.select(~torch.isin(fresh.group, flat[:m]))
         return Rollouts.cat([kept, replayed], self.pad_id)
-
-
-def row_bytes(max_len: int) -> int:
-    """Bytes of one Rollouts row of `max_len` tokens, every field included."""
-    row = Rollouts.empty(1, 1, 0)
-    sizes = [getattr(row, f.name) for f in fields(Rollouts)]
-    return sum(t.element_size() * (max_len if t.dim() == 2 else 1) for t in sizes)
-
-
-def buffer_bytes(cfg: ReplayConfig, max_len: int) -> int:
-    """Bytes the buffer preallocates for rows of up to `max_len` tokens (0 for none, which stores
-    nothing): a Rollouts row per slot, and its `valid`, `used` and `score`."""
-    if STRATEGIES.get(cfg.strategy, Replay) is Replay:
-        return 0
-    return cfg.capacity * (row_bytes(max_len) + 1 + 4 + 4)
 
 
 def make_replay(cfg: ReplayConfig, max_len: int, pad_id: int, seed: int) -> Replay:

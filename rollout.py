@@ -1,44 +1,33 @@
-"""The policy model and its rollouts: loading and saving (for train.py and eval.py), prompts as
-token ids, and G completions per prompt from Hugging Face `generate` with their behaviour log-probs.
+"""Rollouts: G completions per prompt, each token with the behaviour log-prob it was sampled with.
 
-A batch of rollouts is one `Rollouts`: every row is `prompt | completion | right padding`, so the
-training forward needs no position-id tricks and the replay buffer stores a row as it is.
+A batch is one `Rollouts`: every row is `prompt | completion | right padding`, so the training
+forward needs no position-id tricks and the replay buffer stores a row as it is. What samples is a
+sampler: `HFSampler` (Hugging Face `generate`, the reference) or support/vllm.py's, behind the same
+calls: `generate`, `sync` (take the policy's weights), `sleep` (free memory), `close`.
 
-Our config alone defines what is sampled (temperature, top-p, top-k): the model's generation_config
-is set aside for the call, so the loss's log-probs describe the distribution sampled. One logits
-processor applies it and records the behaviour log-probs and the sampling entropy: no extra pass.
-A completion ends at its first end token (kept: the model must learn to stop), any of `end_ids`;
-`truncated` means none came within max_new_tokens.
+Our config alone defines what is sampled (`sampling_logits`: temperature, top-k, top-p, the same in
+both samplers); one logits processor applies it during `generate` and records the behaviour
+log-probs and the sampling entropy. A completion ends at its first end token (kept: the model must
+learn to stop); `truncated` means none came within max_new_tokens.
 """
 
 from __future__ import annotations
 
-import copy
-import os
-import shutil
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import NamedTuple
 
-import jinja2
 import torch
-import torch.distributed as dist
 import transformers
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-)
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-import grpo
-import lora
-from preempt import Interrupted, should_stop
-from util import oneline
+from support.logprobs import cache_kwarg, kv_cache, output_layer
+from support.models import hf_module
+from support.preempt import Interrupted, StopRequested, should_stop
+
+
+# Below it sampling is greedy in all but name (vLLM treats < 1e-5 as greedy), and near 1e-37 logits
+# of ~10^2 divided by it overflow float32: inf logits, NaN probabilities.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass
@@ -65,7 +54,7 @@ class RolloutConfig:
     """DAPO's dynamic sampling: up to this many generation rounds a step, keeping groups with a
     reward spread."""
     engine: str = "hf"
-    """What samples: `hf` (HF generate, the reference loop) or `vllm` (vllm_engine.py)."""
+    """What samples: `hf` (HF generate, the reference loop) or `vllm` (support/vllm.py)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm, GPU: share of GPU memory the engine may take for weights and KV cache (vLLM's)."""
     vllm_kv_cache_gb: float = 0.0
@@ -80,7 +69,8 @@ class RolloutConfig:
             "batch_size": (n > 0 and G > 0 and n % G == 0,
                            f"a positive multiple of rollout.group_size ({G})"),
             "max_new_tokens": (self.max_new_tokens > 0, "> 0"),
-            "temperature": (0 < self.temperature < 1e6, "> 0"),
+            "temperature": (MIN_TEMPERATURE <= self.temperature < 1e6,
+                            f"> 0: at least {MIN_TEMPERATURE:g} and below 1e6"),
             "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
             "top_k": (self.top_k >= 0, "≥ 0 (0 = off)"),
             "gen_batch_size": (self.gen_batch_size > 0, "> 0"),
@@ -177,7 +167,7 @@ class Row(NamedTuple):
 def pack(rows: list[Row], pad_id: int, prompt_idx: torch.Tensor, group: torch.Tensor,
          step: int) -> Rollouts:
     """`rows` as one on-policy Rollouts born at `step`."""
-    ro = Rollouts.empty(len(rows), max(len(row.ids) for row in rows), pad_id)
+    ro = Rollouts.empty(len(rows), max((len(row.ids) for row in rows), default=1), pad_id)
     for b, row in enumerate(rows):
         end = len(row.ids)
         ro.tokens[b, :end] = torch.as_tensor(row.ids)
@@ -210,351 +200,26 @@ def pack_groups(rows: list[Row], tokenizer, counts: list[int], prompt_idx, step:
     return pack(rows, tokenizer.pad_token_id, idx.repeat_interleave(reps), group, step), texts
 
 
-def load_model(path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
-               meta: bool = False):
-    """(model, tokenizer) from a local folder or hub id. Code shipped in the folder runs only with
-    trust_remote_code; weights load from safetensors (transformers refuses pickled .bin files unless
-    they load with weights_only). `meta`: the model is built on the meta device, without memory or
-    weights (fill_from_rank0 brings them)."""
-    transformers.utils.logging.disable_progress_bar()  # one line per run, not a bar per file
-    folder = sorted(Path(path).iterdir()) if Path(path).is_dir() else []
-    for f in folder:  # a FIFO would block its reader forever
-        if not (f.is_file() or f.is_dir()):
-            raise ValueError(f"{f.name} is not a regular file (a pipe, device, broken link)")
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    kw = {"trust_remote_code": trust_remote_code, "dtype": dtype}
-    if not meta:
-        return AutoModelForCausalLM.from_pretrained(path, **kw), tokenizer
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **kw)
-    try:  # what from_pretrained would have read
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        pass  # none saved: from_config's, made from the model config, as from_pretrained's would be
-    return model.eval(), tokenizer
+def sampling_logits(scores: torch.Tensor, cfg: RolloutConfig) -> torch.Tensor:
+    """(B, V) the logits sampled from, given the model's `scores` (B, V): ÷ temperature (greedy,
+    T = 0, records T = 1), cut to the top-k, then to the top-p nucleus (-inf outside); their
+    log-softmax is the behaviour distribution, the same in both samplers.
+    transformers' temperature and top-k warpers give these bits too; its top-p does not (its
+    ascending float32 cumsum kept another set of tokens in 243 of 256 rows of random logits,
+    vocabulary 151,936, top_p 0.95), so all three cuts stay here, as the runs sampled them."""
+    z = scores.float() / (cfg.temperature or 1.0)  # (B, V)
+    if 0 < cfg.top_k < z.shape[1]:
+        z = z.masked_fill(z < z.topk(cfg.top_k, dim=-1).values[:, -1:], -torch.inf)
+    if cfg.top_p < 1:  # drop a token once the more likely ones hold top_p of the mass
+        p, order = z.softmax(-1).sort(-1, descending=True)
+        drop = (p.cumsum(-1) - p) >= cfg.top_p
+        z = z.masked_fill(drop.scatter(1, order, drop), -torch.inf)
+    return z
 
 
-def fill_from_rank0(model, path: str, device: torch.device, trust_remote_code: bool,
-                    dtype: torch.dtype) -> None:
-    """Storage on `device` for a model built on the meta device (FSDP-sharded or whole), and the
-    weights of `path`: rank 0 alone reads them onto its host, torch's helper sends each rank its
-    shards (or the whole tensors), so a node holds one host copy of the model, not one per process.
-    Buffers outside the state dict (RoPE's inv_freq) are rank 0's too."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    model.to_empty(device=device)
-    if not isinstance(model, FSDPModule):  # to_empty untied shared weights (FSDP keeps them tied)
-        model.tie_weights()
-    full = None
-    if dist.get_rank() == 0:
-        kw = {"trust_remote_code": trust_remote_code, "dtype": dtype}
-        full = AutoModelForCausalLM.from_pretrained(path, **kw)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
-    for name, buffer in model.named_buffers():
-        if full is not None:
-            buffer.copy_(full.get_buffer(name))
-        dist.broadcast(buffer, 0)
-
-
-def checkpoint_activations(model) -> None:
-    """Recompute activations in the backward pass (transformers 5.2x renames the method)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    (enable or model.gradient_checkpointing_enable)()
-
-
-def load_policy(cfg, path: str, device: torch.device, world: int):
-    """The model to train (cfg is config.Config): (model, policy, tokenizer, ref, compute).
-
-    `model`: the HF module, float32 master weights, sharded in place under FSDP (a unit per decoder
-    layer, then the root); generation, no-grad passes and saving use it. `policy`: what the training
-    forward goes through (model, compiled, or DDP-wrapped). `compute`: bf16 autocast when bf16
-    compute is on without FSDP (FSDP casts through its mixed-precision policy). `ref`: the frozen KL
-    reference (beta > 0), bf16 with bf16 compute. Under LoRA `model` is the peft-wrapped base from
-    model.path with the adapters of checkpoint `path` (fresh when it has none), `ref` the same
-    module with its adapters off."""
-    bf16 = cfg.model.compute_dtype == "bfloat16"
-    fsdp = cfg.model.parallel == "fsdp" and dist.is_initialized()  # torchrun, even of one process
-    adapted = cfg.model.lora.rank > 0
-    base_dtype = torch.bfloat16 if bf16 and adapted else torch.float32
-    trust = cfg.model.trust_remote_code
-    meta = world > 1 and not adapted  # rank 0 reads weights
-    model, tokenizer = load_model(cfg.model.path if adapted else path, trust, base_dtype, meta)
-    if cfg.model.gradient_checkpointing:
-        checkpoint_activations(model)
-        model.config.use_cache = False
-    ref = None
-    ref_dtype = torch.bfloat16 if bf16 else torch.float32
-    if cfg.grpo.beta > 0 and not adapted:
-        ref = load_model(cfg.model.path, trust, ref_dtype, meta)[0]
-    if adapted:
-        saved = path if Path(path, "adapter_config.json").is_file() else None
-        model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                              reduce_dtype=torch.float32)
-    for module, source, dtype in [(model, path, torch.float32), (ref, cfg.model.path, ref_dtype)]:
-        if module is None:
-            continue
-        root = lora.hf_model(module)  # under LoRA the module inside peft's wrapper (generate's)
-        if fsdp:
-            layers = root._no_split_modules or []
-            units = [unit for unit in root.modules() if type(unit).__name__ in layers]
-            for unit in units + [root]:
-                fully_shard(unit, mp_policy=mp)
-        if meta:
-            fill_from_rank0(module, source, device, trust, dtype)
-        elif not fsdp:
-            module.to(device)
-    if ref is not None:
-        ref.requires_grad_(False).eval()
-    if cfg.grpo.beta > 0 and adapted:
-        ref = lora.AdaptersOff(model)
-    policy = torch.compile(model) if cfg.model.compile else model
-    if world > 1 and not fsdp:  # buffers never change: forwards need no broadcast
-        ids = None if device.index is None else [device.index]
-        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids,
-                                                           broadcast_buffers=False)
-    compute = nullcontext()
-    if bf16 and not fsdp:
-        compute = torch.autocast(device.type, dtype=torch.bfloat16)
-    return model, policy, tokenizer, ref, compute
-
-
-def save_model(model, tokenizer, folder: Path, state: dict | None = None,
-               optimizer: dict | None = None, dtype: torch.dtype | None = None) -> None:
-    """Every rank: write an HF model folder (safetensors gathered from FSDP shards, in `dtype`,
-    default the float32 master weights; the tokenizer), rank 0 the `optimizer` state (optimizer.pt),
-    and each rank its trainer state to a temporary folder, fsync every file, rename it to `folder`.
-    A failure on any rank (a full disk raises OSError, SafetensorError or RuntimeError alike)
-    removes it and raises OSError on every rank."""
-    distributed = dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    tmp = folder.with_name(f".tmp_{folder.name}")
-    error = ""
-    try:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        if distributed:
-            dist.barrier()
-        write_weights(model, tokenizer, tmp, rank, state is None, dtype)
-        if rank == 0 and optimizer is not None:
-            torch.save(optimizer, tmp / "optimizer.pt")
-        own = []  # each rank syncs its own files: the others may still be writing theirs
-        if state is not None:
-            own.append(tmp / f"state_rank{rank}.pt")
-            torch.save(state, own[0])
-        if rank == 0:  # (and HF's temporary files come and go)
-            own += [f for f in tmp.rglob("*") if not f.name.startswith("state_rank")]
-        for f in own:
-            fsync(f)
-    except Exception as e:  # reported below, on every rank
-        error = f"{type(e).__name__}: {oneline(e, 160)}"
-    failed = torch.tensor(float(bool(error)))
-    if distributed:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(f"{folder} could not be written ({error or 'on another rank'})")
-    if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)  # there when a resumed run redoes its last step
-        os.replace(tmp, folder)
-        fsync(folder.parent)
-    if distributed:
-        dist.barrier()
-
-
-def write_weights(model, tokenizer, folder: Path, rank: int, final: bool,
-                  dtype: torch.dtype | None = None) -> None:
-    """The model folder's files (every rank calls it; rank 0 writes): safetensors gathered from FSDP
-    shards (in `dtype`, default the float32 master weights) and the tokenizer; under LoRA the
-    adapters, and in final/ the merged model too (lora.save_adapted)."""
-    if lora.is_adapted(model):
-        lora.save_adapted(model, tokenizer, folder, rank, merged=final)
-        return
-    weights = model.state_dict()
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=options)
-    if rank == 0:
-        save_weights(model, tokenizer, folder, weights, dtype)
-
-
-def save_weights(model, tokenizer, folder: Path, weights: dict, dtype: torch.dtype | None) -> None:
-    """save_pretrained of `weights`, floating tensors cast to `dtype` (tied ones stay one tensor)
-    and the config saying so, so from_pretrained(dtype="auto") loads them as they are."""
-    cast = {}
-    for k, v in weights.items():
-        if dtype is None or not v.is_floating_point():
-            continue
-        if v.data_ptr() not in cast:
-            cast[v.data_ptr()] = v.to(dtype)
-        weights[k] = cast[v.data_ptr()]
-    model.save_pretrained(folder, state_dict=weights)
-    if dtype is not None:  # save_pretrained wrote the dtype of the weights in memory
-        config = copy.deepcopy(model.config)
-        config.dtype = dtype
-        config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-
-
-@contextmanager
-def full_weights(model, compute):
-    """Generation with whole weights: under FSDP they are gathered once (in bf16 with bf16 compute)
-    and stay for every token of the phase, then are freed, so no collective runs while ranks
-    generate different lengths. Each module's reshard-after-forward setting is restored as found
-    (FSDP2 keeps the root unsharded after forward: the training backward needs its weights at once,
-    and resharding it would cost one more all-gather per backward)."""
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if sharded:  # the root's first forward would settle its setting: settle it now, then read it
-        sharded[0]._get_fsdp_state()._lazy_init()
-    found = [_reshard_setting(m) for m in sharded]
-    for m in sharded:
-        m.unshard()
-        m.set_reshard_after_forward(False, recurse=False)
-    try:
-        with compute:
-            yield
-    finally:
-        for m, setting in zip(sharded, found):
-            _restore_reshard_setting(m, setting)
-            m.reshard()
-
-
-def _reshard_setting(module) -> tuple:
-    """FSDP2's reshard-after-forward state of `module` (its API sets it but cannot read it)."""
-    state = module._get_fsdp_state()
-    meshes = [g.post_forward_mesh_info for g in state._fsdp_param_groups]
-    return state._auto_reshard_after_forward, meshes
-
-
-def _restore_reshard_setting(module, setting: tuple) -> None:
-    state = module._get_fsdp_state()
-    state._auto_reshard_after_forward = setting[0]
-    for group, mesh_info in zip(state._fsdp_param_groups, setting[1]):
-        group.post_forward_mesh_info = mesh_info
-
-
-class ChatTemplateError(ValueError):
-    """The tokenizer's chat template failed on a prompt: `said` is what it said (or why it failed),
-    `system` whether the conversation had a system turn. train.py and eval.py name the model and the
-    setting to change."""
-
-    def __init__(self, said: str, system: bool):
-        super().__init__(said)
-        self.said = said
-        self.system = system
-
-
-def render_chat(tokenizer, turns: list[dict]) -> str:
-    """The chat template applied to `turns` (a generation prompt added), or ChatTemplateError."""
-    try:
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # raise_exception(), a syntax error, whatever the template's code raises
-        words = oneline(e, 200)
-        if isinstance(e, jinja2.TemplateSyntaxError):
-            said = f"does not parse ({words}, line {e.lineno})"
-        elif type(e) is jinja2.TemplateError:  # what the template's raise_exception('...') raises
-            said = f"refuses the conversation: {words!r}"
-        else:
-            said = f"fails ({type(e).__name__}: {words})"
-        syntax = isinstance(e, jinja2.TemplateSyntaxError)  # fails whatever the turns
-        raise ChatTemplateError(said, turns[0]["role"] == "system" and not syntax) from e
-
-
-def template_warnings(tokenizer, system_prompt: str) -> list[str]:
-    """What the chat template silently leaves out of a probe conversation (the system turn, the
-    user's text): the model would never see it. ChatTemplateError if the template fails on it."""
-    if not tokenizer.chat_template:
-        return []
-    user = "What is 12+30? (a probe of the chat template)"
-    turns = []
-    if system_prompt.strip():
-        turns.append({"role": "system", "content": system_prompt})
-    text = render_chat(tokenizer, turns + [{"role": "user", "content": user}])
-    said = []
-    if turns and system_prompt.strip() not in text:
-        said.append("leaves out the system turn")
-    if user not in text:
-        said.append("leaves out the user's text")
-    return said
-
-
-def prompt_ids(tokenizer, problem: str, template: str, chat: bool,
-               system_prompt: str = "") -> list[int]:
-    """Token ids of one prompt: `template` with {problem} replaced (plain text: other braces stay),
-    wrapped in the tokenizer's chat template when `chat` and it has one, `system_prompt` as a system
-    turn when set. A chat template writes its own BOS; plain text gets the tokenizer's special
-    tokens (BOS where it adds one)."""
-    text = template.replace("{problem}", problem)
-    chat = chat and bool(tokenizer.chat_template)
-    if chat:
-        turns = []
-        if system_prompt:
-            turns.append({"role": "system", "content": system_prompt})
-        turns.append({"role": "user", "content": text})
-        text = render_chat(tokenizer, turns)
-    return tokenizer(text, add_special_tokens=not chat)["input_ids"]
-
-
-def build_prompts(tokenizer, problems: list, data, limit: int) -> tuple[list[list[int]], list, int]:
-    """(prompt ids, problems kept, number dropped): prompts over `limit` tokens are dropped, as verl
-    does. `data` is config.DataConfig; a problem's own system turn is used unless
-    data.system_prompt is set. No tokenizer packs 32 characters into a token, so longer texts are
-    not even tokenized."""
-    prompts, kept = [], []
-    for p in problems:
-        if len(p.problem) > 32 * limit:
-            continue
-        system = data.system_prompt or p.system
-        ids = prompt_ids(tokenizer, p.problem, data.template, data.chat_template, system)
-        if len(ids) <= limit:
-            prompts.append(ids)
-            kept.append(p)
-    return prompts, kept, len(problems) - len(kept)
-
-
-def end_of_turn(tokenizer) -> int | None:
-    """The special token a chat template writes right after an assistant turn (<|im_end|>, ...)."""
-    turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "MARK"}]
-    try:
-        after = tokenizer.apply_chat_template(turns, tokenize=False).rsplit("MARK", 1)[1]
-        ids = tokenizer(after, add_special_tokens=False)["input_ids"]
-    except Exception:  # a template that refuses this conversation gives no end of turn to learn
-        return None
-    if ids and ids[0] in tokenizer.all_special_ids:
-        return ids[0]
-    return None
-
-
-def end_ids(tokenizer, model, chat: bool, stop_tokens: list[str]) -> list[int]:
-    """Every token that ends a completion: the tokenizer's eos, any id of the model's
-    generation_config.eos_token_id, the chat template's end of turn when it is applied, and
-    `stop_tokens` (ValueError for one that is not a token)."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {tokenizer.eos_token_id}
-    ids.update(eos if isinstance(eos, list) else [eos])
-    if chat:
-        ids.add(end_of_turn(tokenizer))
-    for token in stop_tokens:
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        known = isinstance(token_id, int) and token_id != tokenizer.unk_token_id
-        if not known or tokenizer.convert_ids_to_tokens(token_id) != token:
-            raise ValueError(f"rollout.stop_tokens: {token!r} is not a single token of this "
-                             "tokenizer")
-        ids.add(token_id)
-    return sorted(i for i in ids if i is not None)
+def entropy_of(logp: torch.Tensor) -> torch.Tensor:
+    """(...,) entropy of distributions given by log-probs (..., V); a cut token adds nothing."""
+    return torch.special.entr(logp.exp()).sum(-1)
 
 
 class _SamplingDistribution(LogitsProcessor):
@@ -577,19 +242,9 @@ class _SamplingDistribution(LogitsProcessor):
         scores = torch.where(finite, scores, 0.0)  # a bad row samples uniformly until `finish`
         if self.prev is not None:
             self.logps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        # greedy (T = 0) records the T = 1 log-probs
-        z = scores.float() / (self.cfg.temperature or 1.0)  # (B, V)
-        # transformers' temperature and top-k warpers give these bits too; its top-p does not (its
-        # ascending float32 cumsum kept another set of tokens in 243 of 256 rows of random logits,
-        # vocabulary 151,936, top_p 0.95), so all three cuts stay here, as the runs sampled them.
-        if 0 < self.cfg.top_k < z.shape[1]:
-            z = z.masked_fill(z < z.topk(self.cfg.top_k, dim=-1).values[:, -1:], -torch.inf)
-        if self.cfg.top_p < 1:  # drop a token once the more likely ones hold top_p of the mass
-            p, order = z.softmax(-1).sort(-1, descending=True)
-            drop = (p.cumsum(-1) - p) >= self.cfg.top_p
-            z = z.masked_fill(drop.scatter(1, order, drop), -torch.inf)
+        z = sampling_logits(scores, self.cfg)  # (B, V)
         self.prev = torch.log_softmax(z, dim=-1)
-        self.entropies.append(torch.special.entr(self.prev.exp()).sum(-1))
+        self.entropies.append(entropy_of(self.prev))
         return z
 
     def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T) each
@@ -597,36 +252,6 @@ class _SamplingDistribution(LogitsProcessor):
             raise FloatingPointError("the policy's logits are not finite (NaN or inf weights)")
         self.logps.append(self.prev.gather(1, last_tokens[:, None]).squeeze(1))
         return torch.stack(self.logps, dim=1), torch.stack(self.entropies, dim=1)
-
-
-class _CastCache(transformers.DynamicCache):
-    """A KV cache that stores K and V in `dtype`. Under autocast the residual stream is float32, so
-    RoPE'd keys (and the cache's values after them) would be kept in float32; attention casts them
-    to the autocast dtype anyway, so storing them in it changes no number and halves the cache."""
-
-    def __init__(self, dtype: torch.dtype, **kwargs):
-        super().__init__(**kwargs)
-        self.dtype = dtype
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = key_states.to(self.dtype), value_states.to(self.dtype)
-        return super().update(keys, values, layer_idx, *args, **kwargs)
-
-
-def kv_cache(model) -> transformers.DynamicCache | None:
-    """The cache to generate with: K and V in the autocast dtype under autocast, else HF's."""
-    device = next(model.parameters()).device.type
-    if not torch.is_autocast_enabled(device):
-        return None
-    return _CastCache(torch.get_autocast_dtype(device), config=model.config)
-
-
-class _StopRequested(transformers.StoppingCriteria):
-    """Ends a `generate` call after the token under way once a stop is asked for (preempt.py)."""
-
-    def __call__(self, input_ids, scores, **kwargs):
-        B, device = input_ids.shape[0], input_ids.device
-        return torch.full((B,), should_stop(), dtype=torch.bool, device=device)
 
 
 @torch.no_grad()
@@ -640,11 +265,11 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     counts = counts or [cfg.group_size] * len(prompts)
     expanded = [p for p, n in zip(prompts, counts) for _ in range(n)]
     was_training = model.training
-    hf = lora.hf_model(model)
+    hf = hf_module(model)
     own = hf.generation_config  # (under LoRA, the transformers module's inside peft's wrapper)
     model.eval()
     hf.generation_config = GenerationConfig()  # nothing of the model's fills what ours leaves unset
-    grpo.output_layer(model)  # float32 logits, as the training pass computes them
+    output_layer(model)  # float32 logits, as the training pass computes them
     rows = []
     try:
         for start in range(0, len(expanded), cfg.gen_batch_size):
@@ -670,8 +295,8 @@ def _sample(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig,
     recorder = _SamplingDistribution(cfg)
     out = model.generate(**batch.to(device), generation_config=gen_cfg,
                          logits_processor=LogitsProcessorList([recorder]),
-                         past_key_values=kv_cache(model),
-                         stopping_criteria=transformers.StoppingCriteriaList([_StopRequested()]))
+                         **{cache_kwarg(model): kv_cache(model)},
+                         stopping_criteria=transformers.StoppingCriteriaList([StopRequested()]))
     if should_stop():  # cut short: the rows are incomplete
         raise Interrupted
     completion = out[:, P:]  # (b, T)
@@ -685,3 +310,29 @@ def _sample(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig,
                         logp=logp[b, :n].cpu(), truncated=not bool(ends[b].any()),
                         entropy=entropy[b, :n].mean().item()))
     return rows
+
+
+class HFSampler:
+    """Samples with Hugging Face `generate` from the policy module itself, which always holds the
+    policy's weights: `sync`, `sleep` and `close` have nothing to do."""
+
+    def __init__(self, model, tokenizer, stop: list[int]):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop = stop  # token ids that end a completion
+
+    def generate(self, prompts: list[list[int]], cfg: RolloutConfig, prompt_idx=None,
+                 step: int = 0, counts: list[int] | None = None, group0: int | None = None,
+                 key: tuple = ()) -> tuple[Rollouts, list[str]]:
+        """`generate` (HF samples from torch's global RNG: `key`, an engine's seed, is unused)."""
+        return generate(self.model, self.tokenizer, prompts, cfg, self.stop, prompt_idx, step,
+                        counts, group0)
+
+    def sync(self, model) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

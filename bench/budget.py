@@ -1,4 +1,4 @@
-"""The core's line budgets and density (issue #28), measured on the files as they are.
+"""The core's line budgets and density (issue #40), measured on the files as they are.
 
 Usage:
   python bench/budget.py            # print the figures; exit 0
@@ -6,14 +6,15 @@ Usage:
   python bench/budget.py --root DIR # another tree
 
 Lines: non-blank, non-comment lines, docstrings counted (the rows a token other than a comment
-covers), per subject against its budget; the GRPO path includes a vLLM engine module if one exists.
-Density, over every subject file and the other core modules (shown without a budget): lines over
-100 characters; conditional expressions, comprehensions and tuples used as statements
-(`x.close() if x else None`, `[f(m) for m in ms]`, `a(), b()`);
-`# noqa` outside rewards.py (the verifier's sandbox, where a broad except is the contract);
-functions over 60 lines (from `def` to their last line); and the mean characters per counted line
-(indentation included, trailing spaces not). Imports: no core module imports train.py, and grpo.py
-imports nothing from config.py.
+covers), per subject against its budget: each file of the reading path and config.py, the reading
+path together (train, grpo, rollout, replay), and each module of support/ (what a reader of GRPO
+may skip). Density, over every subject file and rewards.py and eval.py (shown without a budget):
+lines over 100 characters; conditional expressions, comprehensions and tuples used as statements
+(`x.close() if x else None`, `[f(m) for m in ms]`, `a(), b()`); `# noqa` outside rewards.py (the
+verifier's sandbox, where a broad except is the contract); functions over 60 lines (from `def` to
+their last line: train.loop included); and the mean characters per counted line (indentation
+included, trailing spaces not). Imports: no module imports train.py, and grpo.py imports nothing
+from config.py.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ import sys
 import tokenize
 from pathlib import Path
 
-GRPO_PATH = ["train.py", "grpo.py", "replay.py", "rollout.py", "config.py"]
-ENGINES = ["engine.py", "vllm_engine.py"]
-OTHERS = ["lora.py", "preempt.py", "util.py"]  # core modules without a budget of their own: shown
-BUDGETS = {"train.py": 380, "rewards.py": 500, "eval.py": 220, "checkpoint.py": 160,
-           "compare.py": 180}
-GRPO_BUDGET = 1650
+READING_PATH = ["train.py", "grpo.py", "rollout.py", "replay.py"]
+BUDGETS = {"train.py": 350, "grpo.py": 420, "rollout.py": 260, "replay.py": 500, "config.py": 330}
+READING_BUDGET = 1530
+PACKAGE = "support"
+PACKAGE_BUDGET = 300  # each module of support/
+OTHERS = ["rewards.py", "eval.py"]  # shown without a budget
 MAX_CHARS = 100
 MAX_FUNCTION = 60
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,15 +112,16 @@ def measure(path: Path) -> dict:
             "functions": long_functions(tree), "imports": forbidden_imports(tree, path.name)}
 
 
-def subjects(root: Path) -> list[tuple[str, list[str], int]]:
-    """(name, files, budget) per subject; the GRPO path with any engine module that exists."""
-    grpo = GRPO_PATH + [f for f in ENGINES if (root / f).is_file()]
-    found = [("GRPO path (" + " ".join(grpo) + ")", grpo, GRPO_BUDGET)]
-    for name, budget in BUDGETS.items():
-        found.append((name, [name], budget))
-    others = [f for f in OTHERS if (root / f).is_file()]
-    if others:
-        found.append(("other core modules (" + " ".join(others) + ")", others, None))
+def subjects(root: Path) -> list[tuple[str, list[str], int | None]]:
+    """(name, files, budget) per subject: each reading-path file and config.py, the reading path
+    together, each module of support/, and the other modules without a budget."""
+    found = [(name, [name], budget) for name, budget in BUDGETS.items()]
+    found.append(("reading path (" + " ".join(READING_PATH) + ")", READING_PATH, READING_BUDGET))
+    for f in sorted((root / PACKAGE).glob("*.py")):
+        name = f"{PACKAGE}/{f.name}"
+        found.append((name, [name], PACKAGE_BUDGET))
+    for name in OTHERS:
+        found.append((name, [name], None))
     return found
 
 

@@ -1,4 +1,4 @@
-"""Generation throughput of the two rollout engines, HF generate and vLLM (vllm_engine.py), on the
+"""Generation throughput of the two rollout engines, HF generate and vLLM (support/vllm.py), on the
 same prompts and lengths: every sequence runs to exactly --new-tokens (no end token stops it), so
 both make the same tokens.
 
@@ -77,8 +77,9 @@ def compare(
     """{"hf": tokens/s, "vllm": tokens/s, "ratio": vllm / hf} for len(prompts) × group sequences of
     exactly `new_tokens` tokens each, on the model folder `path` (bench/gpu_check.py calls this on a
     GPU)."""
-    import vllm_engine
-    from rollout import RolloutConfig, generate, load_model
+    from rollout import RolloutConfig, generate
+    from support import vllm as vllm_engine
+    from support.models import load_pretrained
 
     cfg = RolloutConfig(
         group_size=group,
@@ -87,7 +88,7 @@ def compare(
         vllm_kv_cache_gb=0.0 if device.type == "cuda" else 2.0,
     )
     tokens = len(prompts) * group * new_tokens
-    model, tok = load_model(path, dtype=dtype)
+    model, tok = load_pretrained(path, dtype=dtype)
     model.to(device)
     hf = timed_median(lambda: generate(model, tok, prompts, cfg, []), repeats)
     model.to("meta")  # its memory back before the engine loads its own copy
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
-    import vllm_engine
+    from support import vllm as vllm_engine
 
     if not vllm_engine.available():
         print("engine_compare: vLLM is not installed (pip install -r requirements-vllm.txt)")

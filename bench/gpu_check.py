@@ -133,7 +133,7 @@ def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
     import torch.distributed as dist
 
     from config import load_config
-    from rollout import load_policy
+    from support.models import load_policy
 
     cuda = torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -155,7 +155,8 @@ def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
 
 def generation_check(model, tok, cfg, compute, a, peaks: dict):
     """(b): one generation phase; returns (rollouts, failures), the phase's peak in `peaks`."""
-    from rollout import full_weights, generate
+    from rollout import generate
+    from support.parallel import generation
 
     g = torch.Generator().manual_seed(0)
     n_vocab = min(len(tok), model.config.vocab_size)
@@ -166,11 +167,11 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
     caches, gathers = [], []
 
     def keep_cache(module, args, kwargs):
-        caches.append(kwargs.get("past_key_values"))
+        caches.append(kwargs.get("cache", kwargs.get("past_key_values")))  # (5.24 renamed it)
 
     hook = model.register_forward_pre_hook(keep_cache, with_kwargs=True)
     reset_peak()
-    with full_weights(model, compute):
+    with generation(model, compute):
         sync()
         t0 = time.time()
         with counting_all_gathers(gathers):
@@ -192,7 +193,7 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
 
 def engines(path: str, prompts: list, a, device: torch.device) -> None:
     """With vLLM installed: generation tokens/s of HF generate and vLLM, same prompts, bf16."""
-    import vllm_engine
+    from support import vllm as vllm_engine
 
     if device.type != "cuda" or not vllm_engine.available():  # (on a CPU: bench/engine_compare.py)
         print("vllm: not measured (needs a GPU and vLLM installed)")
@@ -237,9 +238,10 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     against a float32 model without FSDP or autocast."""
     import grpo
     from config import update_settings
+    from support.logprobs import no_grad_logprobs
 
     batch.advantage = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
-    lp, _ = grpo.no_grad_logprobs(model, batch, update_settings(cfg), compute, device)
+    lp, _ = no_grad_logprobs(model, batch, update_settings(cfg), compute, device)
     stats = gap_stats(lp, batch.behav_logp, batch.completion_mask(), cfg)
     params = list(model.parameters())
     before = [local(p.detach()).clone() for p in params]
@@ -287,9 +289,9 @@ def reference_grad_norm(cfg, path: str, batch, device) -> float:
     as one GPU without FSDP runs it), not clipped."""
     import grpo
     from config import update_settings
-    from rollout import load_model
+    from support.models import load_pretrained
 
-    model = load_model(path, dtype=torch.float32)[0].to(device)
+    model = load_pretrained(path, dtype=torch.float32)[0].to(device)
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.model.parallel, ref_cfg.optim.grad_clip = "ddp", 0.0
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

@@ -1,5 +1,5 @@
-"""Peak host memory per logit of one row's log-probs: grpo.completion_logprobs forward (with
-entropy) and backward.
+"""Peak host memory per logit of one row's log-probs: support.logprobs.completion_logprobs forward
+(with entropy) and backward.
 
 Usage:
   python bench/logits_memory.py              # one 4,096-token row, vocabulary 151,936 (~5 min)
@@ -10,7 +10,7 @@ the peak RSS above the resident model (Linux VmHWM, reset before the pass) divid
 vocabulary. The issue's bound: ≤ 3 bytes per logit (the whole logits, their float32 log-softmax and
 its gradient took 19.6). What remains is mostly fixed: the output layer's weight gradient and, its
 weight being tied, the embedding's dense gradient (2 × 4 bytes × V × H = 1.1 GB), then one chunk
-of logits (grpo.HEAD_CHUNK) and the decoder layers' activations.
+of logits (support.logprobs.HEAD_CHUNK) and the decoder layers' activations.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpo
+from support.logprobs import completion_logprobs
 
 
 def status(key: str) -> int:
@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt_len, seq_len = torch.tensor([a.prompt]), torch.tensor([a.tokens])
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base, t0 = status("VmRSS"), time.time()
-    logp, ent = grpo.completion_logprobs(model, tokens, prompt_len, seq_len, 1.0,
-                                         with_entropy=True)
+    logp, ent = completion_logprobs(model, tokens, prompt_len, seq_len, 1.0, with_entropy=True)
     logp.sum().backward()
     peak, logits = status("VmHWM") - base, a.tokens * a.vocab
     print(f"{a.tokens} tokens × {a.vocab} vocabulary, {a.layers} layer(s): peak "

@@ -1,7 +1,7 @@
 """Memory per GPU for the paper configs, from a formula you can check, and a CPU measurement that checks it.
 
 Usage:
-  python bench/memory_plan.py                      # the README table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
+  python bench/memory_plan.py                      # docs/gpu.md's table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
   python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model
                                                    # trained on this CPU: peak RSS vs the formula
   python bench/memory_plan.py --measure --lora 32  # the same with rank-32 adapters on a frozen base
@@ -14,7 +14,7 @@ The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N 
                (one layer recomputed, with its gradients); without it, L times the second term. b = micro-batch rows,
                T = prompt + response tokens (b·T = optim.micro_batch_tokens when set), a = bytes of the
                compute dtype (2 for bf16)
-  logits       2·4·C + 4·V·H (+ 4·V·H when a = 2): the output layer runs in chunks of C = grpo.HEAD_CHUNK
+  logits       2·4·C + 4·V·H (+ 4·V·H when a = 2): the output layer runs in chunks of C = support.logprobs.HEAD_CHUNK
                float32 logits, recomputed in backward (two (chunk, V) temporaries), its float32 weight
                gradient before it is accumulated (none under LoRA: the output layer is frozen), and
                the float32 copy of bf16 weights
@@ -97,7 +97,7 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
     """Bytes per GPU of each part (see the module docstring); `peak` is their sum as the phases add
     up. With lora_rank > 0 the base is frozen in the compute dtype and only the adapters (P_A)
     carry float32 weights, gradients and AdamW state."""
-    from grpo import HEAD_CHUNK
+    from support.logprobs import HEAD_CHUNK
 
     P, shard = s.params(), (gpus if fsdp else 1)
     T, a = prompt + response, act_bytes
@@ -212,9 +212,10 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     import grpo
-    import lora
     from config import Config, update_settings
-    from rollout import Rollouts, checkpoint_activations
+    from rollout import Rollouts
+    from support import lora
+    from support.models import checkpoint_activations
 
     if lora_rank:  # peft's share of the process is counted in the process before the model
         importlib.import_module("peft")

@@ -78,7 +78,8 @@ def trl_worker(result_path: str, config: str, overrides: list[str]) -> None:
     from data.loaders import load_task
     from eval import evaluate, summarize
     from rewards import score_batch
-    from rollout import end_ids, prompt_ids
+    from rollout import HFSampler
+    from support.prompts import end_ids, prompt_ids
 
     cfg = load_config(config, overrides)
     validate(cfg)
@@ -132,8 +133,8 @@ def trl_worker(result_path: str, config: str, overrides: list[str]) -> None:
         sampling = replace(cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p,
                            max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens)
         prompts = [prompt_ids(tok, p.problem, d.template, d.chat_template, d.system_prompt) for p in eval_problems]
-        ev = summarize(evaluate(model, tok, prompts, [p.answer for p in eval_problems], sampling, cfg.reward,
-                                end_ids(tok, model, d.chat_template, cfg.rollout.stop_tokens)))
+        sampler = HFSampler(model, tok, end_ids(tok, model, d.chat_template, cfg.rollout.stop_tokens))
+        ev = summarize(evaluate(sampler, prompts, [p.answer for p in eval_problems], sampling, cfg.reward))
     Path(result_path).write_text(json.dumps({"step_times": timer.times, "tokens": sum(tokens), "acc_final": ev["accuracy"]}))
 
 

@@ -105,7 +105,8 @@ def sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.
 def heldout_accuracy(model, tok, test: list[dict], temperature: float) -> float:
     """Fraction of held-out problems solved by one sample at `temperature` (0 = greedy), verified by rewards.py."""
     from rewards import RewardConfig, score_batch
-    from rollout import RolloutConfig, end_ids, generate, prompt_ids
+    from rollout import RolloutConfig, generate
+    from support.prompts import end_ids, prompt_ids
 
     prompts = [prompt_ids(tok, p["problem"], "{problem}", True) for p in test]
     sampling = RolloutConfig(group_size=1, max_new_tokens=48, temperature=temperature, gen_batch_size=256)

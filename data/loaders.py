@@ -114,6 +114,17 @@ def prompt_order(n: int, position: int, count: int, seed: int) -> list[int]:
     return out
 
 
+def prompt_stream(n: int, position: int, seed: int):
+    """`prompt_order`'s stream from `position` on, one index at a time, without end."""
+    import torch
+
+    while True:
+        epoch, offset = divmod(position, n)
+        gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        yield from torch.randperm(n, generator=gen).tolist()[offset:]
+        position += n - offset
+
+
 def _read_rows(spec: str, data_dir: str | None, limit: int | None) -> tuple[str, list[dict], str]:
     """(source name, raw rows, where-string for error messages)."""
     if spec.startswith("hf:"):
@@ -296,10 +307,26 @@ def json_line(line: bytes, path, lineno: int) -> dict | None:
         raise ValueError(f"{path}:{lineno}: JSON nested deeper than Python parses") from e
     except ValueError as e:  # an integer of more than 4300 digits
         raise ValueError(f"{path}:{lineno}: {e}") from None
+    if _SURROGATE.search(text) and _lone_surrogate(row):  # every tokenizer and write fails on it
+        raise ValueError(f"{path}:{lineno}: a lone UTF-16 surrogate (a \\ud800-\\udfff escape not "
+                         "in a pair): not valid Unicode text")
     if not isinstance(row, dict):  # ValueError, as every other bad line (callers catch that)
         got = type(row).__name__
         raise ValueError(f"{path}:{lineno}: expected a JSON object, got {got}")  # noqa: TRY004
     return row
+
+
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # the escape of a UTF-16 surrogate, paired or not
+
+
+def _lone_surrogate(row) -> bool:
+    """Whether a parsed JSON value holds a surrogate outside a pair (a pair decodes to one
+    character): such a string cannot be encoded, tokenized or written."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _read_parquet(path: Path) -> list[dict]:

@@ -9,7 +9,10 @@ import math
 import os
 from pathlib import Path
 
+import torch
+
 from data.loaders import PARSED_BYTES, json_line, jsonl_rows, machine_memory, open_regular
+from rollout import Rollouts, Row, pack
 
 
 def read_rlep_source(path: str, problems: list, tokenizer, max_new_tokens: int) -> list[tuple]:
@@ -84,3 +87,58 @@ def file_sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+class PhaseOne:
+    """RLEP's phase-I store: every verified success of `rlep_source`, kept whole beside the ring
+    (`capacity` does not apply). Ragged: the completions' int32 ids in one flat tensor with row
+    offsets, sorted by prompt so a prompt's rows are one range; no log-probs (RLEP replays them as
+    on-policy). A checkpoint holds the file's sha256 and each row's replay count, not the rows."""
+
+    def __init__(self, completions: list[list[int]], prompt_idx: list[int], n_prompts: int,
+                 sha256: str):
+        order = sorted(range(len(completions)), key=prompt_idx.__getitem__)  # stable: file order
+        lengths = torch.tensor([len(completions[i]) for i in order])
+        self.ids = torch.tensor([t for i in order for t in completions[i]], dtype=torch.int32)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # (N + 1,)
+        self.prompt_idx = torch.tensor([prompt_idx[i] for i in order], dtype=torch.long)  # (N,)
+        self.first = torch.searchsorted(self.prompt_idx, torch.arange(n_prompts + 1))  # (P + 1,)
+        self.used = torch.zeros(len(order), dtype=torch.int32)  # (N,) times each row was replayed
+        self.sha256 = sha256
+
+    def __len__(self) -> int:
+        return len(self.prompt_idx)
+
+    def completion(self, i: int) -> list[int]:
+        return self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
+
+    def draw(self, prompts: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+        """Up to n rows of each of `prompts` (unique ids), uniformly without replacement: the n
+        smallest of one uniform key per row of theirs."""
+        lo, counts = self.first[prompts], self.first[prompts + 1] - self.first[prompts]  # (K,)
+        start = torch.cumsum(counts, 0) - counts  # (K,) where each prompt's rows begin among `rows`
+        rank = torch.arange(int(counts.sum())) - torch.repeat_interleave(start, counts)
+        rows = torch.repeat_interleave(lo, counts) + rank  # (R,) every row of these prompts
+        key = torch.rand(len(rows), generator=gen)
+        owner = torch.repeat_interleave(torch.arange(len(prompts)), counts)
+        order = torch.argsort(owner * 2.0 + key, stable=True)  # by prompt, then by key (< 1)
+        return rows[order][rank < n]
+
+    def rollouts(self, rows: torch.Tensor, prompts: list, pad_id: int, reward: float) -> Rollouts:
+        """The stored `rows` as replayed, on-policy, verified-correct rollouts (slot -1)."""
+        n = len(rows)
+        if not n:
+            return Rollouts.empty(0, 1, pad_id)
+        parts = []
+        for i in rows.tolist():
+            prompt = prompts[int(self.prompt_idx[i])]
+            seq = prompt + self.completion(i)
+            logp = [0.0] * (len(seq) - len(prompt))
+            row = Row(ids=seq, prompt_len=len(prompt), logp=logp, truncated=False, entropy=0.0)
+            parts.append(row)
+        out = pack(parts, pad_id, self.prompt_idx[rows], torch.full((n,), -1), 0)
+        out.reward = torch.full((n,), reward)
+        out.correct = torch.ones(n, dtype=torch.bool)
+        out.replayed = torch.ones(n, dtype=torch.bool)
+        self.used.index_add_(0, rows, torch.ones(n, dtype=torch.int32))
+        return out

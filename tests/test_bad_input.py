@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from fixtures import previous_run, snapshot
 
-import compare
 import eval as ev
 import train
+from support import compare
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"
@@ -182,7 +182,7 @@ def test_bad_input_chat_template_end_to_end_and_debug(tmp_path, capsys):
     assert "jinja2.exceptions.TemplateError: System role not supported" in text
     text = debug_chain(args)
     assert "jinja2.exceptions.TemplateError: System role not supported" in text
-    assert "checkpoint.RunError" in text and not out.exists()
+    assert "support.util.RunError" in text and not out.exists()
 
 
 @needs_model
@@ -465,7 +465,7 @@ def test_bad_input_bombs_end_to_end_and_debug(tmp_path, capsys):
         assert Path(spec).name in eval_refused(capsys, tmp_path, "--benchmarks", spec)
     assert not out.exists()
     text = debug_chain([*BASE, f"--data.train={data_bomb(tmp_path, 'deep')}", f"--out_dir={out}"])
-    assert "RecursionError" in text and "checkpoint.RunError: data: " in text
+    assert "RecursionError" in text and "support.util.RunError: data: " in text
     text = debug_chain(["--config", config_bomb(tmp_path, "deep_flow"), f"--out_dir={out}"])
     assert "nested more than 32 levels deep" in text and "Traceback" in text
 
@@ -637,7 +637,7 @@ def test_bad_input_rlep_source_end_to_end_and_debug(tmp_path):
     assert_one_line(r, f"{f}:2: completion_ids must be a non-empty list of token ids")
     assert not out.exists()
     text = debug_chain(args)
-    assert "read_rlep_source" in text and "checkpoint.RunError: replay: " in text
+    assert "read_rlep_source" in text and "support.util.RunError: replay: " in text
     f.unlink()
     f = rlep_source(tmp_path, GOOD_ROW, '{"generated_tokens": 123}')  # a good source still loads
     args = [*BASE, "--replay.strategy=rlep", f"--replay.rlep_source={f}", "--max_steps=0"]

@@ -1,6 +1,6 @@
-"""compare.py (`eval.py --compare`): the area under accuracy vs generated tokens, Holm's adjustment
-and the detectable difference against hand-computed values; crossings, intervals, AES and the table
-on synthetic run folders; bench/plateau.py on hand-made curves."""
+"""support/compare.py (`eval.py --compare`): the area under accuracy vs generated tokens, Holm's
+adjustment and the detectable difference against hand-computed values; crossings, intervals, AES
+and the table on synthetic run folders; bench/plateau.py on hand-made curves."""
 
 import csv
 import json
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import compare as cp
 import eval as ev
+from support import compare as cp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,9 +131,9 @@ def test_power_detectable_difference_hand_computed():
 
 
 def test_area_table_end_to_end_on_train_run_folders(tmp_path, capsys):
-    """Run folders as train.py writes them through `eval.py --compare` and `python compare.py`:
-    evals at 0, 200, 400, 600 tokens, so with the default budget (none's mean total, 600) the area
-    is (y0 + 2 y1 + 2 y2 + y3) / 6."""
+    """Run folders as train.py writes them through `eval.py --compare` and `python -m
+    support.compare`: evals at 0, 200, 400, 600 tokens, so with the default budget (none's mean
+    total, 600) the area is (y0 + 2 y1 + 2 y2 + y3) / 6."""
     arms = {"none": [[0.2, 0.3, 0.4, 0.5], [0.2, 0.32, 0.41, 0.5], [0.2, 0.29, 0.42, 0.52]],
             "better": [[0.2, 0.4, 0.5, 0.6], [0.2, 0.42, 0.52, 0.6], [0.2, 0.41, 0.5, 0.61]],
             "worse": [[0.2, 0.2, 0.3, 0.4], [0.2, 0.22, 0.31, 0.4], [0.2, 0.21, 0.3, 0.42]],
@@ -182,8 +182,9 @@ def test_area_table_end_to_end_on_train_run_folders(tmp_path, capsys):
     assert "area to 600 tokens" in lines[0] and lines[2].startswith("| none | 3 |")
     row = next(ln for ln in lines if ln.startswith("| better |"))
     assert f"| +{100 * s['better']['area_diff']:.1f} |" in row and "| better |" in row[10:]
-    # the same table from `python compare.py`, and --budget covers the short run
-    cmd = [sys.executable, "compare.py", *map(str, runs), "--out-dir", str(tmp_path / "again")]
+    # the same table from `python -m support.compare`, and --budget covers the short run
+    cmd = [sys.executable, "-m", "support.compare", *map(str, runs),
+           "--out-dir", str(tmp_path / "again")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.replace(str(tmp_path / "again"), str(tmp_path / "out")) == table

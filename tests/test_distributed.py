@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from fixtures import torchrun
 
-import checkpoint
 import train
+from support import checkpoint
+from support.parallel import all_ranks, backend_map
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -48,9 +49,10 @@ def worker(opts: dict, args: list[str]) -> None:
     if "probe" in opts:
         restore = checkpoint.restore
 
-        def probed(ck, state, cfg, model, optimizer, replay, progress):
-            restore(ck, state, cfg, model, optimizer, replay, progress)
+        def probed(ck, state, cfg, model, optimizer, replay, progress, *rest):
+            said = restore(ck, state, cfg, model, optimizer, replay, progress, *rest)
             probe(model, optimizer, replay, Path(opts["probe"]))
+            return said
 
         checkpoint.restore = probed
     if "loads" in opts:
@@ -63,9 +65,9 @@ def count_loads(out: Path) -> None:
     at exit."""
     import atexit
 
-    import rollout
+    from support import models
 
-    calls, read = [], rollout.AutoModelForCausalLM.from_pretrained
+    calls, read = [], models.AutoModelForCausalLM.from_pretrained
 
     def counted(path, *a, **kw):
         calls.append(str(path))
@@ -74,7 +76,7 @@ def count_loads(out: Path) -> None:
     def write():
         (out / f"loads{os.environ['RANK']}.json").write_text(json.dumps(calls))
 
-    rollout.AutoModelForCausalLM.from_pretrained = counted
+    models.AutoModelForCausalLM.from_pretrained = counted
     atexit.register(write)
 
 
@@ -125,20 +127,19 @@ def test_nccl_backend_map_registers_gloo_for_host_tensors(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(KeyboardInterrupt):
         train.setup(train.load_config(None, []), None, False)
-    assert seen == ["cpu:gloo,cuda:nccl"] == [train.backend_map("cuda")]
-    assert train.backend_map("cpu") == "gloo"
+    assert seen == ["cpu:gloo,cuda:nccl"] == [backend_map("cuda")]
+    assert backend_map("cpu") == "gloo"
 
 
 def host_collectives(backend: str) -> None:
-    """Under torchrun: the trainer's host-tensor collectives (util.all_ranks, preempt.Stop.agreed)
-    under `backend`; prints what each did."""
-    import preempt
-    import util
+    """Under torchrun: the trainer's host-tensor collectives (parallel.all_ranks,
+    preempt.Stop.agreed) under `backend`; prints what each did."""
+    from support import preempt
 
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
     done = {}
     for name, call in (
-        ("all_ranks", lambda: util.all_ranks(1.0)),
+        ("all_ranks", lambda: all_ranks(1.0)),
         ("stop_signal", lambda: preempt.Stop().agreed()),
     ):
         try:
@@ -157,7 +158,7 @@ def test_nccl_like_backend_map_without_cpu_fails_on_host_collectives():
     on a GPU), the trainer's host-tensor collectives fail; under train.py's map (the accelerator's
     part played by gloo) they run."""
     bare = torchrun(__file__, "--control=cuda:gloo").stdout.splitlines()
-    mapped = train.backend_map("cuda").replace("nccl", "gloo")
+    mapped = backend_map("cuda").replace("nccl", "gloo")
     ok = torchrun(__file__, f"--control={mapped}").stdout.splitlines()
     refused = "No backend type associated with device type cpu"
     assert [json.loads(x) for x in bare] == [{"all_ranks": refused, "stop_signal": refused}] * 2
@@ -169,7 +170,7 @@ def test_nccl_backend_map_runs_setup_eval_step_checkpoint_resume(tmp_path, paral
     """train.py's own map for a GPU, its accelerator backend played by gloo (NCCL needs a GPU):
     set-up, the step-0 eval, steps with replay, checkpoints, a stop signal's agreement, --resume,
     final/."""
-    backend = train.backend_map("cuda").replace("nccl", "gloo")
+    backend = backend_map("cuda").replace("nccl", "gloo")
     assert backend == "cpu:gloo,cuda:gloo"
     out = tmp_path / "run"
     common = [
@@ -230,9 +231,9 @@ def phase_one_file(path: Path, rows_per_problem: int, suffix: list[int] | None =
     (distinct token sequences: the answer, then 0..k-1 spaces, then the end token); returns its
     number of rows."""
     from data.loaders import load_task
-    from rollout import load_model
+    from support.models import load_pretrained
 
-    _, tok = load_model(str(REPO / "data" / "tiny_model"))
+    _, tok = load_pretrained(str(REPO / "data" / "tiny_model"))
     problems, _ = load_task(train.load_config("configs/tiny.yaml", []).data, 1)
     lines = []
     for p in problems:

@@ -19,19 +19,20 @@ def run(tmp_path, monkeypatch, *args):
     made = []
     real = rollout.generate
 
-    def counting(*a, **k):
-        ro, texts = real(*a, **k)
-        made.append(int(ro.completion_len.sum()))
+    def counting(model, tokenizer, prompts, cfg, stop, prompt_idx=None, *a, **k):
+        ro, texts = real(model, tokenizer, prompts, cfg, stop, prompt_idx, *a, **k)
+        if prompt_idx is not None:  # a training step's: the evals' calls carry no prompt indices
+            made.append(int(ro.completion_len.sum()))
         return ro, texts
 
-    monkeypatch.setattr(train, "generate", counting)
+    monkeypatch.setattr(rollout, "generate", counting)
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
         f"--out_dir={tmp_path / 'run'}", "--max_steps=2", "--rollout.batch_size=32", "--eval.n=4", "--eval.k=1",
         "--eval.every=0", "--checkpoint.every=0", "--wandb.mode=disabled", "--threads=1", *args])
     validate(cfg)
     assert train.train(cfg) == 0
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    return rows, made  # (eval.py samples through its own import of generate: not counted here)
+    return rows, made
 
 
 def test_only_informative_groups_reach_the_update_and_every_token_counts(tmp_path, monkeypatch):

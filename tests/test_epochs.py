@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 from config import Config, update_settings
+from support.gate import OutputGrad
+from support.logprobs import completion_logprobs
 
 BEFORE_EPOCHS = "c6970d2"  # main before optim.epochs: "today's update"
 CPU = torch.device("cpu")
@@ -77,7 +79,7 @@ def old_grpo():
         path.unlink()
     # The log-prob code moved on since (#24: the output layer in float32 chunks): compare the
     # update around it, with today's log-probs in both.
-    module.completion_logprobs = grpo.completion_logprobs
+    module.completion_logprobs = completion_logprobs
     return module
 
 
@@ -110,12 +112,12 @@ def hand_run(model, batch, cfg, perms: list[torch.Tensor]) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     T, n = cfg.rollout.temperature, cfg.optim.minibatches
     with torch.no_grad():
-        old, _ = grpo.completion_logprobs(model, batch.tokens, batch.prompt_len, batch.seq_len, T)
+        old, _ = completion_logprobs(model, batch.tokens, batch.prompt_len, batch.seq_len, T)
     first = True
     for perm in perms:
         for rows in perm.tensor_split(n):
             mb = batch.select(rows)
-            logp, _ = grpo.completion_logprobs(model, mb.tokens, mb.prompt_len, mb.seq_len, T)
+            logp, _ = completion_logprobs(model, mb.tokens, mb.prompt_len, mb.seq_len, T)
             prox = None if first else old[rows, : mb.tokens.shape[1]]
             loss, _ = grpo.policy_loss(logp, mb.behav_logp, mb.advantage, mb.completion_mask(),
                                        mb.onpolicy, cfg.grpo, n_seqs=len(rows),
@@ -193,9 +195,9 @@ def test_gate_measures_the_output_projections_share_of_a_tied_gradient():
     share), and differs from the tied matrix's whole .grad (which adds the input embedding's)."""
     model, batch = tiny_qwen3(300), synthetic_batch(300)
     twin = untied_twin(model)
-    head = grpo.OutputGrad(model)
+    head = OutputGrad(model)
     for m in (model, twin):
-        logp, _ = grpo.completion_logprobs(m, batch.tokens, batch.prompt_len, batch.seq_len, 0.9)
+        logp, _ = completion_logprobs(m, batch.tokens, batch.prompt_len, batch.seq_len, 0.9)
         (logp * batch.advantage[:, None]).sum().backward()
     norm = head.pop_norm()
     head.close()
@@ -214,8 +216,8 @@ def test_gate_measures_a_frozen_output_layer():
         m = copy.deepcopy(model)
         for name, p in m.named_parameters():
             p.requires_grad_(not frozen or "norm" in name)
-        head = grpo.OutputGrad(m)
-        logp, _ = grpo.completion_logprobs(m, batch.tokens, batch.prompt_len, batch.seq_len, 0.9)
+        head = OutputGrad(m)
+        logp, _ = completion_logprobs(m, batch.tokens, batch.prompt_len, batch.seq_len, 0.9)
         (logp * batch.advantage[:, None]).sum().backward()
         norms.append(head.pop_norm())
         head.close()
@@ -273,7 +275,7 @@ def worker(mode: str, folder: str, out: str) -> None:
     (gate forced closed), the model wrapped as train.py wraps it; writes the updates and metrics."""
     import torch.distributed as dist
 
-    from rollout import load_policy
+    from support.models import load_policy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -355,7 +357,7 @@ def test_epochs_arms_have_their_own_compare_label(tmp_path):
     """eval.py --compare puts a reuse run in an arm of its own, never in the `none` baseline."""
     import yaml
 
-    from compare import load_run
+    from support.compare import load_run
 
     cases = [(1, 0.0, "none", "none"), (2, 0.0, "none", "epochs2"), (4, 1.0, "none", "epochs4+gate"),
              (2, 0.0, "aper", "aper+epochs2")]

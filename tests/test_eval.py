@@ -14,7 +14,8 @@ import torch
 from transformers import AutoTokenizer
 
 import eval as ev
-from rollout import RolloutConfig, Row, pack
+import rollout
+from rollout import HFSampler, RolloutConfig, Row, pack
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(os.environ.get("SHARED_DATA_DIR", ROOT.parent / "shared" / "data")) / "benchmarks"
@@ -66,9 +67,10 @@ def test_evaluate_on_scripted_completions(monkeypatch):
         return SimpleNamespace(completion_len=n, truncated=torch.tensor([t == "no idea" for t in texts]),
                                entropy=n / 10), texts
 
-    monkeypatch.setattr(ev, "generate", fake_generate)
+    monkeypatch.setattr(rollout, "generate", fake_generate)  # what HFSampler samples with
     sampling = RolloutConfig(group_size=2, max_new_tokens=9, gen_batch_size=2)
-    records = ev.evaluate(None, None, [[1], [2], [3]], ["1", "4", "9"], sampling, rewards.RewardConfig(), [0])
+    sampler = HFSampler(None, None, [0])
+    records = ev.evaluate(sampler, [[1], [2], [3]], ["1", "4", "9"], sampling, rewards.RewardConfig())
     assert [r["correct"] for r in records] == [[True, True], [False, True], [False, False]]
     assert [r["answers"] for r in records] == [["1", "1"], ["3", "4"], ["5", None]]
     r = ev.summarize(records)  # flat scalars, as train.py logs them
@@ -159,9 +161,10 @@ def test_save_correct_writes_only_verified_completions(tiny_random_model, tmp_pa
         n = len(rows)
         return pack(rows, tokenizer.pad_token_id, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), 0), texts
 
-    monkeypatch.setattr(ev, "generate", fake_generate)
+    monkeypatch.setattr(rollout, "generate", fake_generate)  # what eval.py's HFSampler samples with
     saved = tmp_path / "phase1" / "phase1.jsonl"  # a folder that does not exist yet is created
     ev.main(["--model", str(tiny_random_model), "--benchmarks", str(custom), "--k", "2", "--template", "{problem}",
+             "--max-new-tokens", "64",  # the default 1024 leaves no room in this model's 1024 positions
              "--out-dir", str(tmp_path / "out"), "--save-correct", str(saved)])
     rows = [json.loads(line) for line in saved.read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(tiny_random_model)

@@ -14,8 +14,8 @@ from grpo import (
     group_advantages,
     group_stats,
     policy_loss,
-    token_logprobs,
 )
+from support.logprobs import token_logprobs
 
 F64 = torch.float64
 AGGS = ("grpo", "dapo", "dr_grpo")

@@ -1,7 +1,7 @@
-"""The output layer in chunks (grpo._ChunkedHead): the same log-probs, entropies and gradients as
-the whole (tokens, vocab) logits, in float32 even under bf16 autocast; the behaviour-vs-trainer gap
-metric; token-budget micro-batches; the generation KV cache's dtype; the sampler's finiteness
-check.
+"""The output layer in chunks (support.logprobs._ChunkedHead): the same log-probs, entropies and
+gradients as the whole (tokens, vocab) logits, in float32 even under bf16 autocast; the
+behaviour-vs-trainer gap metric; token-budget micro-batches; the generation KV cache's dtype; the
+sampler's finiteness check.
 
   python -m pytest -q tests/test_logprobs.py        # ~1 min on 2 CPU cores
 """
@@ -20,6 +20,8 @@ from bench.gpu_check import counting_all_gathers
 from config import update_settings
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, generate
+from support import logprobs, parallel
+from support.models import hf_module
 from tests.fixtures import worker_results, write_result
 from tests.test_scale import one_update, synthetic_batch, tiny_qwen3, update_cfg
 
@@ -66,12 +68,12 @@ def rows(vocab: int, B: int = 4, L: int = 23, seed: int = 0):
 def test_chunked_head_equals_whole_logits_float64(monkeypatch, share_prompt):
     """Chunks of 3 rows (HEAD_CHUNK / V) against the whole (B, L, V) float64 logits: values,
     entropies and every parameter's gradient to float64 round-off, at the real vocabulary."""
-    monkeypatch.setattr(grpo, "HEAD_CHUNK", 3 * QWEN_VOCAB)
+    monkeypatch.setattr(logprobs, "HEAD_CHUNK", 3 * QWEN_VOCAB)
     model = qwen2(QWEN_VOCAB, torch.float64)
     tokens, prompt_len, seq_len = rows(QWEN_VOCAB)
     w = torch.randn(tokens.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    logp, ent = grpo.completion_logprobs(model, tokens, prompt_len, seq_len, 0.7, True,
-                                         share_prompt)
+    logp, ent = logprobs.completion_logprobs(model, tokens, prompt_len, seq_len, 0.7, True,
+                                             share_prompt)
     grads = torch.autograd.grad((logp * w).sum(), list(model.parameters()))
     ref, ref_ent = reference_logprobs(model, tokens, prompt_len, seq_len, 0.7)
     ref_grads = torch.autograd.grad((ref * w).sum(), list(model.parameters()))
@@ -85,11 +87,11 @@ def test_chunked_head_equals_whole_logits_float64(monkeypatch, share_prompt):
 def test_chunked_head_equals_whole_logits_float32(monkeypatch):
     """The float32 path (what a float32 run computes): the same values as the whole logits to
     1e-6."""
-    monkeypatch.setattr(grpo, "HEAD_CHUNK", 5 * QWEN_VOCAB)
+    monkeypatch.setattr(logprobs, "HEAD_CHUNK", 5 * QWEN_VOCAB)
     model = qwen2(QWEN_VOCAB)
     tokens, prompt_len, seq_len = rows(QWEN_VOCAB)
-    logp, ent = grpo.completion_logprobs(model, tokens, prompt_len, seq_len, 1.0, True,
-                                         share_prompt=False)
+    logp, ent = logprobs.completion_logprobs(model, tokens, prompt_len, seq_len, 1.0, True,
+                                             share_prompt=False)
     grads = torch.autograd.grad(logp.sum(), list(model.parameters()))
     ref, ref_ent = reference_logprobs(model, tokens, prompt_len, seq_len, 1.0)
     ref_grads = torch.autograd.grad(ref.sum(), list(model.parameters()))
@@ -107,7 +109,8 @@ def test_chunked_head_with_bias_hand_values():
         head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]))
         head.bias.copy_(torch.tensor([0.5, -1.0, 0.0]))
     h = torch.tensor([[1.0, 1.0], [0.0, -1.0]], dtype=torch.float64, requires_grad=True)  # (2, 2)
-    logp, ent = grpo._ChunkedHead.apply(h, head.weight, head.bias, torch.tensor([1, 2]), 2.0, True)
+    targets = torch.tensor([1, 2])
+    logp, ent = logprobs._ChunkedHead.apply(h, head.weight, head.bias, targets, 2.0, True)
     z = (h @ head.weight.T + head.bias) / 2.0  # [[0.75, 0.5, 1.0], [0.25, -1.5, -0.5]]
     lsm = torch.log_softmax(z, -1)
     torch.testing.assert_close(logp, lsm[[0, 1], [1, 2]], atol=1e-12, rtol=0)
@@ -126,8 +129,8 @@ def test_chunked_head_runs_in_float32_under_bf16_autocast():
         model.get_output_embeddings().weight.mul_(8)  # logits of a trained model's size
     tokens, prompt_len, seq_len = rows(QWEN_VOCAB)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, _ = grpo.completion_logprobs(model, tokens, prompt_len, seq_len, 1.0,
-                                           share_prompt=False)
+        logp, _ = logprobs.completion_logprobs(model, tokens, prompt_len, seq_len, 1.0,
+                                               share_prompt=False)
         ref, _ = reference_logprobs(model, tokens, prompt_len, seq_len, 1.0)
         bf16_logits = model.model(input_ids=tokens).last_hidden_state @ model.lm_head.weight.T
     assert bf16_logits.dtype == torch.bfloat16  # what the output layer computed before
@@ -140,8 +143,8 @@ def test_compiled_model_is_unwrapped():
     and the output layer both see the HF model."""
     model = tiny_qwen3(60)
     compiled = torch.compile(model, backend="eager")
-    assert grpo.hf_module(compiled) is model
-    assert grpo.output_layer(compiled) is model.get_output_embeddings()
+    assert hf_module(compiled) is model
+    assert logprobs.output_layer(compiled) is model.get_output_embeddings()
 
 
 # ------------------------------------------------------------------------------ the gap metric
@@ -158,8 +161,8 @@ def test_logp_gap_metric_counts_fresh_tokens_at_the_sampling_weights(minibatches
     cfg.optim.minibatches = minibatches
     model = tiny_qwen3(60)
     with torch.no_grad():
-        lp, _ = grpo.completion_logprobs(model, batch.tokens, batch.prompt_len, batch.seq_len,
-                                         cfg.rollout.temperature)
+        lp, _ = logprobs.completion_logprobs(model, batch.tokens, batch.prompt_len, batch.seq_len,
+                                             cfg.rollout.temperature)
     offset = torch.where(batch.replayed, 3.0, torch.where(batch.advantage == 0, 0.5, 0.25))  # (B,)
     batch.behav_logp = torch.where(batch.completion_mask(), lp + offset[:, None], 0.0)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -195,11 +198,11 @@ def test_micro_batch_tokens_packs_rows_by_length():
     o.micro_batch_tokens = 30
     completion = torch.tensor([5, 1, 9, 2, 3, 20])
     seq = completion + 4  # 9, 5, 13, 6, 7, 24
-    out = grpo.micro_batches(torch.arange(6), completion, seq, o)  # rows 1, 3, 4, 0, 2, 5
+    out = logprobs.micro_batches(torch.arange(6), completion, seq, o)  # rows 1, 3, 4, 0, 2, 5
     assert [m.tolist() for m in out] == [[1, 3, 4], [0, 2], [5]]  # 3·7 ≤ 30 < 4·9; 3·24 > 30
     o.micro_batch_tokens = 0
     o.micro_batch_size = 4
-    out = grpo.micro_batches(torch.arange(6), completion, seq, o)
+    out = logprobs.micro_batches(torch.arange(6), completion, seq, o)
     assert [m.tolist() for m in out] == [[1, 3, 4, 0], [2, 5]]
 
 
@@ -212,7 +215,8 @@ def test_micro_batch_tokens_leaves_the_update_unchanged():
     loss, grad, _ = one_update(m1, m1, batch, cfg)
     cfg.optim.micro_batch_tokens = 64
     everything = torch.arange(len(batch))
-    n_micro = len(grpo.micro_batches(everything, batch.completion_len, batch.seq_len, cfg.optim))
+    n_micro = len(logprobs.micro_batches(everything, batch.completion_len, batch.seq_len,
+                                         cfg.optim))
     assert n_micro not in (len(batch), -(-len(batch) // 3))  # neither 1 nor 3 rows each
     loss_packed, grad_packed, _ = one_update(m2, m2, batch, cfg)
     assert loss_packed == pytest.approx(loss, abs=1e-6)
@@ -223,14 +227,15 @@ def test_micro_batch_tokens_leaves_the_update_unchanged():
 
 
 def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
-    """Under bf16 autocast (DDP, one GPU) the KV cache holds K and V in bf16, not float32, and the
-    sampled tokens and behaviour log-probs are bit-identical to a float32 cache's (attention casts K
-    and V to bf16 anyway)."""
+    """Under bf16 autocast (DDP, one GPU) the KV cache holds K and V in bf16, not float32 keys, and
+    the sampled tokens and behaviour log-probs are bit-identical to HF's own cache's (attention casts
+    K and V to bf16 anyway)."""
     tok = build_tokenizer()
     model = qwen2(len(tok))
     caches = []
     def keep_cache(module, args, kwargs):
-        caches.append(kwargs.get("past_key_values"))
+        # the cache object generate passes: `cache` from transformers 5.24, `past_key_values` before
+        caches.append(kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values"))
 
     model.register_forward_pre_hook(keep_cache, with_kwargs=True)
     prompts = [tok(f"{i}+{i * 7}=")["input_ids"] for i in range(3)]
@@ -243,8 +248,12 @@ def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out[name], _ = generate(model, tok, prompts, cfg, [])
         layer = caches[-1].layers[0]
-        want = torch.bfloat16 if name == "bf16" else torch.float32
-        assert layer.keys.dtype == layer.values.dtype == want, name
+        if name == "bf16":
+            assert layer.keys.dtype == layer.values.dtype == torch.bfloat16
+        else:  # HF's own cache: the RoPE'd keys in float32; V in float32 before transformers 5.24,
+            # in v_proj's bf16 from 5.24 (its DynamicLayer keeps K's and V's dtypes apart)
+            assert layer.keys.dtype == torch.float32
+            assert layer.values.dtype in (torch.float32, torch.bfloat16)
     assert torch.equal(out["bf16"].tokens, out["float32"].tokens)
     assert torch.equal(out["bf16"].behav_logp, out["float32"].behav_logp)
     torch.manual_seed(0)
@@ -272,13 +281,13 @@ def test_sampler_checks_finiteness_once_at_the_end():
 
 def fsdp_worker(model_dir: str, out: str) -> None:
     """Under torchrun (2 processes, gloo): FSDP2 as load_policy shards it. Counts the all-gathers of
-    one training forward/backward before and after a generation phase (full_weights), and checks
-    that every module's reshard-after-forward setting comes back as found, for a generation phase
-    before the first forward too (train.py's step-0 eval); and which path a compiled FSDP policy's
-    training forward takes."""
+    one training forward/backward before and after a generation phase (parallel.generation), and
+    checks that every module's reshard-after-forward setting comes back as found, for a generation
+    phase before the first forward too (train.py's step-0 eval); and which path a compiled FSDP
+    policy's training forward takes."""
     import torch.distributed as dist
 
-    from rollout import load_policy
+    from support.models import load_policy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -293,27 +302,29 @@ def fsdp_worker(model_dir: str, out: str) -> None:
         rollout_cfg = RolloutConfig(group_size=2, max_new_tokens=4)
         prompt = [tok("1+1=")["input_ids"]]
         if first == "generation":
-            with rollout.full_weights(model, compute):
+            with parallel.generation(model, compute):
                 generate(model, tok, prompt, rollout_cfg, [])
         gathers = {}
         for phase in ("before", "after"):
             counter = []
             with counting_all_gathers(counter):
-                logp, _ = grpo._logprobs(policy, batch, update_settings(cfg), torch.device("cpu"))
+                logp, _ = logprobs._logprobs(policy, batch, update_settings(cfg),
+                                             torch.device("cpu"))
                 logp.sum().backward()
             gathers[phase] = len(counter)
-            settings = [rollout._reshard_setting(m) for m in sharded]
-            with rollout.full_weights(model, compute):
+            settings = [parallel._reshard_setting(m) for m in sharded]
+            with parallel.generation(model, compute):
                 generate(model, tok, prompt, rollout_cfg, [])
-            restored = [rollout._reshard_setting(m) for m in sharded] == settings
+            restored = [parallel._reshard_setting(m) for m in sharded] == settings
             result[f"{first}_{phase}_restored"] = restored
         result[f"{first}_gathers"] = gathers
     calls = []
-    real = grpo.completion_logprobs
-    grpo.completion_logprobs = lambda *a, **k: calls.append(k["share_prompt"])  # not run
-    grpo._logprobs(torch.compile(model, backend="eager"), batch, update_settings(cfg), torch.device("cpu"))
+    real = logprobs.completion_logprobs
+    logprobs.completion_logprobs = lambda *a, **k: calls.append(k["share_prompt"])  # not run
+    logprobs._logprobs(torch.compile(model, backend="eager"), batch, update_settings(cfg),
+                       torch.device("cpu"))
     result["compiled_fsdp_share_prompt"] = calls
-    grpo.completion_logprobs = real
+    logprobs.completion_logprobs = real
     write_result(out, result)
     dist.destroy_process_group()
 
@@ -330,10 +341,10 @@ def fsdp_result(tmp_path_factory):
 
 
 def test_fsdp_reshard_settings_restored_after_generation(fsdp_result):
-    """full_weights sets reshard-after-forward off for generation and puts each module's own setting
-    back: a training forward/backward costs as many all-gathers after a generation phase as before
-    (it used to set the root to reshard, one more all-gather of the root's weights per backward),
-    whether or not a forward ran before the first generation."""
+    """parallel.generation sets reshard-after-forward off for generation and puts each module's own
+    setting back: a training forward/backward costs as many all-gathers after a generation phase as
+    before (it used to set the root to reshard, one more all-gather of the root's weights per
+    backward), whether or not a forward ran before the first generation."""
     for r in fsdp_result:
         for first in ("generation", "training"):
             assert r[f"{first}_before_restored"] and r[f"{first}_after_restored"], first

@@ -22,9 +22,12 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import grpo
-import lora
 from config import Config, update_settings
-from rollout import RolloutConfig, generate, load_policy, prompt_ids
+from rollout import RolloutConfig, generate
+from support import lora
+from support.logprobs import no_grad_logprobs
+from support.models import hf_module, load_policy
+from support.prompts import prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"
@@ -67,7 +70,7 @@ def train_steps(model, cfg: Config, steps: int, lr: float = 1e-2, ref=None) -> t
 def base_weights(model) -> dict[str, torch.Tensor]:
     """The base model's weights inside the peft wrapper, under their names in the model folder."""
     out = {}
-    for key, value in lora.hf_model(model).state_dict().items():
+    for key, value in hf_module(model).state_dict().items():
         if ".lora_" not in key:
             out[key.replace(".base_layer.", ".")] = value.detach().clone()
     return out
@@ -117,10 +120,10 @@ def test_lora_reference_logprobs_are_the_base_models():
     train_steps(model, cfg, 2, ref=ref)
     batch = synthetic_batch(model.config.vocab_size, seed=7)
     null = torch.autocast("cpu", enabled=False)
-    off = grpo.no_grad_logprobs(ref, batch, update_settings(cfg), null, CPU)[0]
+    off = no_grad_logprobs(ref, batch, update_settings(cfg), null, CPU)[0]
     base = AutoModelForCausalLM.from_pretrained(MODEL)
-    expected = grpo.no_grad_logprobs(base, batch, update_settings(cfg), null, CPU)[0]
-    adapted = grpo.no_grad_logprobs(model, batch, update_settings(cfg), null, CPU)[0]
+    expected = no_grad_logprobs(base, batch, update_settings(cfg), null, CPU)[0]
+    adapted = no_grad_logprobs(model, batch, update_settings(cfg), null, CPU)[0]
     assert torch.equal(off, expected)
     assert (adapted - expected).abs().max() > 1e-3, "the adapters changed the policy"
 
@@ -133,14 +136,14 @@ def test_lora_generation_samples_from_the_adapted_model():
     model, _, tok, _, _ = load_policy(cfg, str(MODEL), CPU, 1)
     train_steps(model, cfg, 2)
     prompts = [prompt_ids(tok, p, "{problem}", False) for p in ("1+1=", "12*3=", "7/8+1/8=")]
-    own = lora.hf_model(model).generation_config
+    own = hf_module(model).generation_config
     torch.manual_seed(0)
     sampling = RolloutConfig(group_size=4, max_new_tokens=8, temperature=cfg.rollout.temperature)
     ro, _ = generate(model, tok, prompts, sampling, [])
-    assert lora.hf_model(model).generation_config is own
+    assert hf_module(model).generation_config is own
     null, m = torch.autocast("cpu", enabled=False), ro.completion_mask()
-    adapted = grpo.no_grad_logprobs(model, ro, update_settings(cfg), null, CPU)[0]
-    base = grpo.no_grad_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), ro, update_settings(cfg), null, CPU)[0]
+    adapted = no_grad_logprobs(model, ro, update_settings(cfg), null, CPU)[0]
+    base = no_grad_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), ro, update_settings(cfg), null, CPU)[0]
     # KV-cached sampling and the shared-prompt pass round differently (9e-5 measured; base: > 1)
     torch.testing.assert_close(ro.behav_logp[m], adapted[m], atol=2e-4, rtol=0)
     assert (ro.behav_logp[m] - base[m]).abs().max() > 1e-2

@@ -1,4 +1,4 @@
-"""Preemption at any moment (preempt.py): SIGTERM during a long eval, a long generation,
+"""Preemption at any moment (support/preempt.py): SIGTERM during a long eval, a long generation,
 dynamic-sampling rounds or eval.py exits 143 within seconds with a checkpoint of the last completed
 step (eval.py: the problems finished, marked partial), and --resume afterwards is bit-identical
 to an uninterrupted run; the same under torchrun with two gloo processes, where a signal to one
@@ -37,6 +37,9 @@ TINY = ["--config", "configs/tiny.yaml", f"--model.path={MODEL}", "--rollout.bat
 DYNAMIC = ["--rollout.dynamic_sampling=8", "--reward.no_answer=0"]  # many flat groups: 2 rounds
 LONG_EVAL = "--eval.k=100000"
 DELAY = 1.0  # SLOW's seconds per token
+STOP_WITHIN = 6.0  # seconds from SIGTERM to the note while SLOW generates: the token under way
+# (DELAY), then the checkpoint. Measured 1.0-1.2 s on 2 cores, one process or torchrun; a
+# generation that ignores the stop flag runs its HF generate call to the end (20-25 s here).
 LAUNCHER = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 # train.py with the generation of one phase slowed down. SLOW_PHASE rollout: from the SLOW_CALL-th
@@ -49,13 +52,15 @@ import rollout, train
 env = os.environ
 phase, at, delay = env["SLOW_PHASE"], int(env["SLOW_STEP"]), float(env["SLOW_DELAY"])
 call = int(env.get("SLOW_CALL", "1"))
-state = {"on": False, "marked": False, "step": -1, "calls": 0}
-real_rollout, real_eval, real_generate = train.rollout, train.run_eval, train.generate
+state = {"on": False, "marked": False, "step": -1, "calls": 0, "eval": False}
+real_rollout, real_eval, real_generate = train.rollout, train.run_eval, rollout.generate
 real_token = rollout._SamplingDistribution.__call__
 def rollout_(r, step, t):
     state["step"], state["calls"] = step, 0
     return real_rollout(r, step, t)
 def generate_(*a, **k):
+    if state["eval"]:  # the eval's generate calls: run_eval_ decides
+        return real_generate(*a, **k)
     state["calls"] += 1
     state["on"] = phase == "rollout" and state["step"] == at and state["calls"] >= call
     try:
@@ -64,10 +69,11 @@ def generate_(*a, **k):
         state["on"] = False
 def run_eval_(r):
     state["on"] = phase == "eval" and r.progress["step"] == at
+    state["eval"] = True
     try:
         return real_eval(r)
     finally:
-        state["on"] = False
+        state["on"] = state["eval"] = False
 def token(self, input_ids, scores):
     if state["on"]:
         if not state["marked"]:
@@ -76,7 +82,7 @@ def token(self, input_ids, scores):
             state["marked"] = True
         time.sleep(delay)
     return real_token(self, input_ids, scores)
-train.rollout, train.run_eval, train.generate = rollout_, run_eval_, generate_
+train.rollout, train.run_eval, rollout.generate = rollout_, run_eval_, generate_
 rollout._SamplingDistribution.__call__ = token
 sys.exit(train.main(sys.argv[1:]))
 """
@@ -254,11 +260,13 @@ def test_sigterm_during_a_long_generation_abandons_the_step_and_resume_is_bit_id
     """Step 5's rollout, slowed to DELAY seconds a token (16 completions of up to 24 tokens, 2 HF
     generate calls a round), in its first round or in the second round of dynamic sampling. The step
     is abandoned, the checkpoint is of step 4 (with step 5's RNG streams and data position at its
-    start), and the resumed run is the reference."""
+    start), and the resumed run is the reference. The note comes within STOP_WITHIN seconds
+    (guards against generation ignoring the stop flag: `StopRequested` left out of HF generate)."""
     out = tmp_path / "run"
     launch = Launch(tmp_path, out, *DYNAMIC, slow={"phase": "rollout", "step": 4, "call": call})
     launch.wait_for_marker()
-    code, _ = launch.stop(name=f"generate call {call} of step 5")
+    code, noted = launch.stop(name=f"generate call {call} of step 5")
+    assert noted < STOP_WITHIN, f"the stop took {noted:.1f} s: generation ignored it"
     stopped(launch, code, 4)
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
     run(out, "--resume", *DYNAMIC)
@@ -341,7 +349,8 @@ def test_torchrun_sigterm_to_the_launcher_during_a_long_generation_stops_every_r
         torchrun_reference, tmp_path, call):
     """SIGTERM to torchrun (as a scheduler sends it), which forwards it to both workers, while both
     generate slowly: the first round of a step, or the second round of dynamic sampling. Both ranks
-    abandon the step and checkpoint the one before; the resumed run is the uninterrupted one."""
+    abandon the step and checkpoint the one before, within STOP_WITHIN seconds (guards against
+    generation ignoring the stop flag); the resumed run is the uninterrupted one."""
     rounds = [r["dynamic/rounds"] for r in metrics(torchrun_reference)]
     step = next((i for i in range(1, STEPS) if rounds[i] >= call), None)
     assert step is not None, f"no step after the first takes {call} rounds: {rounds}"
@@ -349,7 +358,9 @@ def test_torchrun_sigterm_to_the_launcher_during_a_long_generation_stops_every_r
     launch = Launch(tmp_path, out, *DYNAMIC, torchrun=True,
                     slow={"phase": "rollout", "step": step, "call": call})
     launch.wait_for_marker(ranks=2)
-    code, _ = launch.stop(name=f"torchrun, round {call} of step {step + 1}, the launcher", ranks=2)
+    code, noted = launch.stop(name=f"torchrun, round {call} of step {step + 1}, the launcher",
+                              ranks=2)
+    assert noted < STOP_WITHIN, f"the stop took {noted:.1f} s: generation ignored it"
     stopped(launch, code, step, world=2)
     assert launch.stderr().count(f"stopped by SIGTERM after step {step}") == 2
     run(out, "--resume", *DYNAMIC, torchrun=True)

@@ -27,11 +27,13 @@ from fixtures import previous_run, snapshot
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-import checkpoint
 import train
 from config import load_config, validate
 from replay import ReplayConfig, make_replay
-from rollout import Rollouts, load_model, save_model
+from rollout import Rollouts
+from support import checkpoint
+from support.models import load_pretrained, save_model
+from support.util import oneline, rng_state, set_rng_state
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = Path(os.environ.get("TINY_MODEL", REPO / "data" / "tiny_model"))
@@ -214,7 +216,7 @@ def test_resume_continues_the_same_wandb_run(tmp_path):
 
 def test_rng_and_replay_state_load_with_weights_only(tmp_path):
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    s = checkpoint.rng_state()
+    s = rng_state()
     before = (random.random(), np.random.rand(), torch.rand(1))
     cfg = ReplayConfig(strategy="aper", capacity=8)
     buf = make_replay(cfg, max_len=6, pad_id=0, seed=0)
@@ -230,7 +232,7 @@ def test_rng_and_replay_state_load_with_weights_only(tmp_path):
     buf.push(rows, 0, torch.zeros(B))
     torch.save({"rng": s, "replay": buf.state_dict()}, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)  # raises on anything but tensors and plain types
-    checkpoint.set_rng_state(loaded["rng"])
+    set_rng_state(loaded["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1)) == before
     again = make_replay(cfg, max_len=6, pad_id=0, seed=0)
     again.load_state_dict(loaded["replay"])
@@ -244,7 +246,7 @@ def test_rng_and_replay_state_load_with_weights_only(tmp_path):
 def tiny():
     if not (MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {MODEL}")
-    return load_model(str(MODEL))
+    return load_pretrained(str(MODEL))
 
 
 FULL_DISK = {"SafetensorError": SafetensorError("Error while serializing: IoError(No space left on device)"),
@@ -266,7 +268,7 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_leaves_nothing_behind(tmp
     monkeypatch.setattr(target, full_disk)
     with pytest.raises(OSError) as e:  # train() turns it into one line naming what is intact
         save_model(model, tok, ck / "step_000004", {"step": 4})
-    msg = checkpoint.oneline(e.value)
+    msg = oneline(e.value)
     assert f"{ck / 'step_000004'} could not be written ({error}" in msg
     assert f"{ck / 'step_000002'} is intact" in checkpoint.intact(tmp_path)
     assert sorted(p.name for p in ck.iterdir()) == ["step_000002"]  # the temporary folder is gone

@@ -12,15 +12,17 @@ import pytest
 import torch
 import yaml
 
-import compare
 import eval as ev
-import grpo
 import train
 from config import load_config, validate
 from data.loaders import Problem, load_problems
 from replay import ReplayConfig, make_replay
 from rewards import RewardConfig, overlong_penalty, score_batch
-from rollout import RolloutConfig, end_ids, end_of_turn, generate, load_model, prompt_ids
+from rollout import HFSampler, RolloutConfig, generate
+from support import compare
+from support.logprobs import token_logprobs
+from support.models import load_pretrained
+from support.prompts import end_ids, end_of_turn, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fixtures
@@ -31,7 +33,7 @@ MODEL = REPO / "data" / "tiny_model"
 
 def teacher_logprobs(model, ro, temperature):
     t = torch.arange(ro.tokens.shape[1])[None]
-    lp, _ = grpo.token_logprobs(model, ro.tokens, (t < ro.seq_len[:, None]).long(), temperature)
+    lp, _ = token_logprobs(model, ro.tokens, (t < ro.seq_len[:, None]).long(), temperature)
     return lp
 
 
@@ -45,7 +47,7 @@ def test_the_models_generation_config_never_leaks_into_sampling(tmp_path):
     gen |= {"repetition_penalty": 5.0, "no_repeat_ngram_size": 2, "top_k": 3, "bad_words_ids": [[banned]],
             "min_new_tokens": 20, "temperature": 0.3}
     (folder / "generation_config.json").write_text(json.dumps(gen))
-    model, tok = load_model(str(folder))
+    model, tok = load_pretrained(str(folder))
     assert model.generation_config.repetition_penalty == 5.0  # the settings are there to leak
     prompts = [prompt_ids(tok, q, "{problem}", True) for q in ("1+1", "what is 3*4?", "7/8 - 1/8")]
     cfg = RolloutConfig(group_size=8, max_new_tokens=24)
@@ -66,7 +68,7 @@ def test_end_of_turn_stops_generation(tmp_path, kind):
     """A model made to answer `\\boxed{4}` and then emit its family's end-of-turn token: the completion stops there,
     is not truncated, keeps the end token (the model learns to stop) and the reward sees the text before it."""
     folder = fixtures.build(kind, tmp_path / kind, emit="\\boxed{4}")
-    model, tok = load_model(str(folder))
+    model, tok = load_pretrained(str(folder))
     stop = end_ids(tok, model, True, [])
     eot = tok.convert_tokens_to_ids(fixtures.KINDS[kind]["end_of_turn"])
     assert end_of_turn(tok) == eot and eot in stop
@@ -82,7 +84,7 @@ def test_end_of_turn_stops_generation(tmp_path, kind):
 
 def test_prompts_follow_each_family(tmp_path):
     for kind in fixtures.KINDS:
-        _, tok = load_model(str(fixtures.build(kind, tmp_path / kind)))
+        _, tok = load_pretrained(str(fixtures.build(kind, tmp_path / kind)))
         chat = tok.decode(prompt_ids(tok, "2+2", "Q: {problem}", True, system_prompt="Be brief."))
         plain = prompt_ids(tok, "2+2", "Q: {problem}", False)
         assert "Be brief." in chat and "Q: 2+2" in chat
@@ -90,14 +92,14 @@ def test_prompts_follow_each_family(tmp_path):
             assert chat.count("<|begin_of_text|>") == 1 and plain[0] == tok.bos_token_id
         else:
             assert tok.decode(plain) == "Q: 2+2"
-    _, tok = load_model(str(fixtures.build("qwen25_instruct", tmp_path / "q")))
+    _, tok = load_pretrained(str(fixtures.build("qwen25_instruct", tmp_path / "q")))
     assert "You are a helpful assistant." in tok.decode(prompt_ids(tok, "2+2", "{problem}", True))  # its default system turn
     assert "{x}" in tok.decode(prompt_ids(tok, "solve {x}", "{problem} \\boxed{}", True))  # braces are text, not format
 
 
 def test_stop_tokens_add_more_ends(tmp_path):
     folder = fixtures.build("qwen3_base", tmp_path / "m", emit="\\boxed{4}")
-    model, tok = load_model(str(folder))
+    model, tok = load_pretrained(str(folder))
     stop = end_ids(tok, model, True, ["{"])
     ro, texts = generate(model, tok, [prompt_ids(tok, "2+2", "{problem}", True)], RolloutConfig(group_size=2), stop)
     assert texts == ["\\boxed"] * 2 and not ro.truncated.any()
@@ -126,13 +128,13 @@ def test_training_and_eval_paths_run_on_each_family(tmp_path, kind):
 def test_rlep_phase_one_round_trip_keeps_the_sampled_tokens(tmp_path):
     """Phase I (eval.py --save-correct) to phase II (RlepReplay.start): the replayed rows are the sampled tokens.
     Through text (decode, then encode) many rows would come back different."""
-    model, tok = load_model(str(MODEL))
+    model, tok = load_pretrained(str(MODEL))
     problems = load_problems("tiny_train", limit=96)
     prompts = [prompt_ids(tok, p.problem, "{problem}", True) for p in problems]
     stop = end_ids(tok, model, True, [])
     torch.manual_seed(0)
-    records = ev.evaluate(model, tok, prompts, [p.answer for p in problems],
-                          RolloutConfig(group_size=8, max_new_tokens=48, gen_batch_size=256), RewardConfig(), stop, keep=True)
+    records = ev.evaluate(HFSampler(model, tok, stop), prompts, [p.answer for p in problems],
+                          RolloutConfig(group_size=8, max_new_tokens=48, gen_batch_size=256), RewardConfig(), keep=True)
     saved = tmp_path / "phase1.jsonl"
     ev.save_correct(str(saved), problems, records, {"generated_tokens": 1234})
     rows = [json.loads(ln) for ln in saved.read_text().splitlines()]
@@ -166,7 +168,7 @@ def test_phase_one_tokens_count_in_the_runs_total(tmp_path):
 
 
 def test_rlep_text_only_source_still_loads(tmp_path):
-    _, tok = load_model(str(MODEL))
+    _, tok = load_pretrained(str(MODEL))
     problems = [Problem("1+1", "2", "a"), Problem("2+3", "5", "b")]
     prompts = [prompt_ids(tok, p.problem, "{problem}", True) for p in problems]
     src = tmp_path / "external.jsonl"
@@ -244,16 +246,17 @@ def test_paper_configs_state_their_prompt(path):
 def test_eval_entropy_is_the_sampling_policys_token_entropy():
     """eval/entropy (summarize's "entropy"): the mean over every sampled completion token of the entropy of the
     distribution it was drawn from, equal to the one recomputed from the saved samples by a plain forward."""
-    model, tok = load_model(str(MODEL))
+    model, tok = load_pretrained(str(MODEL))
     problems = load_problems("tiny", limit=12)
     prompts = [prompt_ids(tok, p.problem, "{problem}", True) for p in problems]
     torch.manual_seed(0)
-    records = ev.evaluate(model, tok, prompts, [p.answer for p in problems], RolloutConfig(group_size=4, max_new_tokens=48),
-                          RewardConfig(), end_ids(tok, model, True, []), keep=True)
+    sampler = HFSampler(model, tok, end_ids(tok, model, True, []))
+    records = ev.evaluate(sampler, prompts, [p.answer for p in problems],
+                          RolloutConfig(group_size=4, max_new_tokens=48), RewardConfig(), keep=True)
     total, n = 0.0, 0
     for p, r in zip(prompts, records):
         for ids in r["ids"]:
             seq = torch.tensor([p + ids])
-            _, ent = grpo.token_logprobs(model, seq, torch.ones_like(seq), 1.0, with_entropy=True)
+            _, ent = token_logprobs(model, seq, torch.ones_like(seq), 1.0, with_entropy=True)
             total, n = total + ent[0, len(p):].sum().item(), n + len(ids)
     assert ev.summarize(records)["entropy"] == pytest.approx(total / n, rel=1e-5)

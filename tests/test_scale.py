@@ -28,7 +28,10 @@ import grpo
 import train
 from config import Config, load_config, update_settings, validate
 from data.build_tiny_model import build_tokenizer
-from rollout import RolloutConfig, Rollouts, end_ids, generate, load_policy, prompt_ids
+from rollout import RolloutConfig, Rollouts, generate
+from support.logprobs import completion_logprobs, token_logprobs
+from support.models import load_policy
+from support.prompts import end_ids, prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_AGGS = ("dapo", "grpo", "dr_grpo")
@@ -132,7 +135,7 @@ def test_sampler_behaviour_logprobs_are_the_sampling_distribution(model_dir):
         assert len(ro) == 12 and ro.group.tolist() == [0] * 4 + [1] * 4 + [2] * 4
         m = ro.completion_mask()
         t = torch.arange(ro.tokens.shape[1])[None]
-        teacher, ent = grpo.token_logprobs(model, ro.tokens, (t < ro.seq_len[:, None]).long(), temperature, True)
+        teacher, ent = token_logprobs(model, ro.tokens, (t < ro.seq_len[:, None]).long(), temperature, True)
         if top_p == 1 and top_k == 0:  # the recorded log-prob is the model's at temperature T (early-dropped rows too)
             torch.testing.assert_close(ro.behav_logp[m], teacher[m], atol=2e-5, rtol=0)
             row_ent = (ent * m).sum(1) / m.sum(1)  # the sampling entropy recorded per row is the model's, at T
@@ -154,8 +157,8 @@ def test_completion_logprobs_share_prompts_exactly():
     b = b.select(torch.randperm(len(b), generator=torch.Generator().manual_seed(0)))  # groups not adjacent
     m = b.completion_mask()
     am = (torch.arange(b.tokens.shape[1])[None] < b.seq_len[:, None]).long()
-    full, full_ent = grpo.token_logprobs(model, b.tokens, am, 0.8, with_entropy=True)
-    shared, shared_ent = grpo.completion_logprobs(model, b.tokens, b.prompt_len, b.seq_len, 0.8, with_entropy=True)
+    full, full_ent = token_logprobs(model, b.tokens, am, 0.8, with_entropy=True)
+    shared, shared_ent = completion_logprobs(model, b.tokens, b.prompt_len, b.seq_len, 0.8, with_entropy=True)
     torch.testing.assert_close(shared, torch.where(m, full, 0.0), atol=1e-10, rtol=0)
     torch.testing.assert_close(shared_ent, torch.where(m, full_ent, 0.0), atol=1e-10, rtol=0)
     w = torch.randn(b.tokens.shape, dtype=torch.float64)
@@ -175,7 +178,7 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged():
         cfg = update_cfg(agg)
         model, direct = tiny_qwen3(60), tiny_qwen3(60)
         loss, grad, out = one_update(model, model, batch, cfg)
-        logp, _ = grpo.completion_logprobs(direct, batch.tokens, batch.prompt_len, batch.seq_len, cfg.rollout.temperature)
+        logp, _ = completion_logprobs(direct, batch.tokens, batch.prompt_len, batch.seq_len, cfg.rollout.temperature)
         full, _ = grpo.policy_loss(logp, batch.behav_logp, batch.advantage, batch.completion_mask(), batch.onpolicy,
                                    cfg.grpo, n_seqs=len(batch), n_tokens=int(batch.completion_len.sum()),
                                    max_new_tokens=cfg.rollout.max_new_tokens)

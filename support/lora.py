@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from support.parallel import full_tensor
 
 ADAPTER = "default"  # peft's name for a model's one adapter
 
@@ -59,11 +60,6 @@ def is_adapted(model) -> bool:
     return hasattr(model, "peft_config")
 
 
-def hf_model(model):
-    """The transformers module inside a peft wrapper (the model itself without one)."""
-    return model.get_base_model() if is_adapted(model) else model
-
-
 class AdaptersOff:
     """The KL reference under LoRA: the policy's own module with its adapters switched off, which
     is exactly the frozen base (no second copy of the model is loaded)."""
@@ -79,17 +75,12 @@ class AdaptersOff:
             return self.model(**inputs)
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP shard (a collective: every rank calls it); others as they are."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def adapter_weights(model) -> dict[str, torch.Tensor]:
     """{name: whole float32 tensor on the CPU} of the adapters, named as peft's save expects."""
     out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            out[name] = whole(p.detach()).cpu()
+            out[name] = full_tensor(p.detach()).cpu()
     return out
 
 
@@ -99,17 +90,17 @@ def merged_weights(model):
     folder, one tensor at a time: no second copy of the model is held (an inference engine's
     weight sync, final/). Under FSDP every rank must run the whole iteration: each weight is
     gathered in turn."""
-    base = hf_model(model)
+    base = model.get_base_model()
     layers = {n: m for n, m in base.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A}
     for key, value in base.state_dict().items():
         if ".lora_" in key:
             continue
         owner, _, leaf = key.rpartition(".base_layer.")
-        tensor = whole(value.detach())
+        tensor = full_tensor(value.detach())
         if owner and leaf == "weight":
             m = layers[owner]
-            a = whole(m.lora_A[ADAPTER].weight.detach())  # (r, in)
-            b = whole(m.lora_B[ADAPTER].weight.detach())  # (out, r)
+            a = full_tensor(m.lora_A[ADAPTER].weight.detach())  # (r, in)
+            b = full_tensor(m.lora_B[ADAPTER].weight.detach())  # (out, r)
             delta = m.scaling[ADAPTER] * (b.float() @ a.float())  # (out, in)
             tensor = (tensor.float() + delta).to(tensor.dtype)
         yield (f"{owner}.{leaf}" if owner else key), tensor
@@ -130,4 +121,4 @@ def save_adapted(model, tokenizer, folder: Path, rank: int, merged: bool) -> Non
         if rank == 0:
             weights[name] = tensor.cpu()
     if rank == 0:
-        hf_model(model).save_pretrained(folder, state_dict=weights)
+        model.get_base_model().save_pretrained(folder, state_dict=weights)

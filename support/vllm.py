@@ -1,12 +1,12 @@
 """Rollouts from vLLM (`rollout.engine: vllm`): the same `Rollouts` and texts as `rollout.generate`,
-sampled by an in-process vLLM engine that holds a copy of the policy's weights (README, "vLLM").
+sampled by an in-process vLLM engine that holds a copy of the policy's weights (docs/vllm.md).
 
 Same semantics as the HF path: token-id prompts, one request per sample; temperature, top-p and
 top-k from our config alone (`generation_config="vllm"`); exactly the ids of `stop` end a completion
 (`ignore_eos` plus `stop_token_ids`), the end token kept; `processed_logprobs` are the log-probs
 under the distribution actually sampled, as `_SamplingDistribution` records them. The sampling
-entropy comes from the engine when 0 < top_k <= ENTROPY_TOP_K (the top-k log-probs hold the whole
-distribution), else rows carry NaN and `sampling_entropy` measures it with the trainer's model.
+entropy (of that distribution, after the top-k and top-p cuts: rollout.sampling_logits) is
+measured with the trainer's model, `sampling_entropy`: the engine returns too few log-probs.
 
 Determinism: each request's seed hashes (key, prompt, sample), so no sample depends on the rest of
 the batch; the prefix cache is emptied before every phase; the global RNG streams vLLM reseeds or
@@ -26,11 +26,21 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
-from rollout import RolloutConfig, Rollouts, Row, pack_groups
+from rollout import (
+    HFSampler,
+    RolloutConfig,
+    Rollouts,
+    Row,
+    entropy_of,
+    pack_groups,
+    sampling_logits,
+)
+from support import lora
+from support.logprobs import completion_logprobs
+from support.parallel import full_tensor
+from support.util import RunError, oneline
 
-ENTROPY_TOP_K = 64  # the engine returns the top-k log-probs per token when top_k is at most this
 CPU_KV_CACHE_GB = 1.0  # the CPU backend's default KV cache when rollout.vllm_kv_cache_gb is 0
 
 
@@ -136,45 +146,36 @@ class Engine:
         from vllm.inputs import TokensPrompt
 
         counts = counts or [cfg.group_size] * len(prompts)
-        top = cfg.top_k if 0 < cfg.top_k <= ENTROPY_TOP_K else 0
         requests, params = [], []
         for i, (p, n) in enumerate(zip(prompts, counts, strict=True)):
             for j in range(n):
                 requests.append(TokensPrompt(prompt_token_ids=list(p)))
                 params.append(SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                              top_k=cfg.top_k, max_tokens=cfg.max_new_tokens,
-                                             logprobs=top, seed=request_seed(key, i, j),
+                                             logprobs=0, seed=request_seed(key, i, j),
                                              ignore_eos=True, stop_token_ids=list(stop),
                                              detokenize=False))
+        if not requests:  # a stage with nothing to sample on this rank
+            return pack_groups([], tokenizer, counts, prompt_idx, step, group0)
         self.wake()
         with kept_rng_and_threads():
             self.llm.reset_prefix_cache()  # every phase starts from the same engine state
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         rows = []
         for req, out in zip(requests, outputs, strict=True):
-            rows.append(_row(req["prompt_token_ids"], out.outputs[0], stop, top))
+            rows.append(_row(req["prompt_token_ids"], out.outputs[0], stop))
         return pack_groups(rows, tokenizer, counts, prompt_idx, step, group0)
 
 
-def _row(prompt: list[int], out, stop: list[int], top: int) -> Row:
-    """A completion as rollout.pack takes it."""
+def _row(prompt: list[int], out, stop: list[int]) -> Row:
+    """A completion as rollout.pack takes it (its entropy measured later: `sampling_entropy`)."""
     ids = list(out.token_ids)
     logp = [d[t].logprob for d, t in zip(out.logprobs, ids, strict=True)]
     if not torch.isfinite(torch.tensor(logp)).all():
         raise FloatingPointError("the engine's log-probs are not finite (NaN or inf weights)")
-    entropy = math.nan
-    if top and ids:
-        entropy = sum(_entropy(d) for d in out.logprobs) / len(ids)
     truncated = not ids or ids[-1] not in stop
     return Row(ids=prompt + ids, prompt_len=len(prompt), logp=logp, truncated=truncated,
-               entropy=entropy)
-
-
-def _entropy(top: dict) -> float:
-    """-Σ p log p over the returned log-probs (masked tokens come back as -inf and add nothing)."""
-    lps = torch.tensor([x.logprob for x in top.values()], dtype=torch.float64)
-    lps = lps[torch.isfinite(lps)]
-    return float(-(lps.exp() * lps).sum())
+               entropy=math.nan)
 
 
 def _reload(worker, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -193,14 +194,7 @@ def full_parameters(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tens
     FSDP2 each is gathered on its own (every rank must iterate together) and freed once the engine
     has copied it."""
     for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        yield name, full.detach().to(dtype)
-
-
-def fill_entropy(rows: Rollouts, model, temperature: float, device) -> None:
-    """Rows the engine returned without a sampling entropy get `sampling_entropy`'s."""
-    if rows.entropy.isnan().any():
-        rows.entropy = sampling_entropy(model, rows, temperature, device)
+        yield name, full_tensor(p).detach().to(dtype)
 
 
 def cast(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator:
@@ -210,18 +204,91 @@ def cast(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Ite
 
 
 @torch.no_grad()
-def sampling_entropy(model, rows: Rollouts, temperature: float, device,
+def sampling_entropy(model, rows: Rollouts, cfg: RolloutConfig, device,
                      chunk: int = 64) -> torch.Tensor:
-    """(B,) each row's mean token entropy under `model` at `temperature` (before any top-k/top-p
-    cut), for rows the engine returned without one; `chunk` rows per forward."""
-    import grpo
-
+    """(B,) each row's mean token entropy of the distribution sampled (rollout.sampling_logits, as
+    HF generation records it) under `model`, `chunk` rows per forward. Without a top-k or top-p
+    cut, the chunked head gives it without a (rows, tokens, vocabulary) tensor."""
     out = torch.empty(len(rows))
     for start in range(0, len(rows), chunk):
         part = rows.select(torch.arange(start, min(start + chunk, len(rows))))
-        _, ent = grpo.completion_logprobs(model, part.tokens.to(device), part.prompt_len.to(device),
-                                          part.seq_len.to(device), temperature or 1.0,
-                                          with_entropy=True)  # (b, L)
+        tokens = part.tokens.to(device)
+        if cfg.top_k == 0 and cfg.top_p == 1:
+            _, ent = completion_logprobs(model, tokens, part.prompt_len.to(device),
+                                         part.seq_len.to(device), cfg.temperature or 1.0,
+                                         with_entropy=True)  # (b, L)
+        else:
+            ent = _cut_entropy(model, part, cfg, tokens)
         mean = ent.sum(1) / part.completion_len.to(device).clamp(min=1)  # (b,)
         out[start : start + len(part)] = mean.float().cpu()
     return out
+
+
+def _cut_entropy(model, part: Rollouts, cfg: RolloutConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """(b, L) the sampled distribution's entropy at each completion token's column, 0 elsewhere."""
+    mask = part.completion_mask().to(tokens.device)  # (b, L)
+    attention = (torch.arange(tokens.shape[1], device=tokens.device) < part.seq_len.to(
+        tokens.device)[:, None]).long()
+    logits = model(input_ids=tokens, attention_mask=attention).logits  # (b, L, V) float32
+    b, L, V = logits.shape
+    logp = torch.log_softmax(sampling_logits(logits.view(b * L, V), cfg), dim=-1)
+    ent = entropy_of(logp).view(b, L)  # column t: the distribution of token t + 1
+    ent = torch.nn.functional.pad(ent[:, :-1], (1, 0))  # column t: the distribution of token t
+    return torch.where(mask, ent, 0.0)
+
+
+class VLLMSampler:
+    """rollout.engine=vllm: an `Engine` behind rollout.HFSampler's four calls. `sync` streams the
+    policy's weights (LoRA: merged; FSDP: gathered one parameter at a time) into the engine."""
+
+    def __init__(self, model, tokenizer, stop: list[int], engine: Engine, dtype: torch.dtype,
+                 device: torch.device, adapted: bool):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.engine = engine
+        self.dtype = dtype  # of the weights the engine holds
+        self.device = device
+        self.adapted = adapted
+
+    def generate(self, prompts: list[list[int]], cfg: RolloutConfig, prompt_idx=None,
+                 step: int = 0, counts: list[int] | None = None, group0: int | None = None,
+                 key: tuple = ()) -> tuple[Rollouts, list[str]]:
+        """rollout.generate's contract; `key` names the call for the per-request seeds."""
+        rows, texts = self.engine.generate(self.tokenizer, prompts, cfg, self.stop, prompt_idx,
+                                           step, counts, group0, key)
+        rows.entropy = sampling_entropy(self.model, rows, cfg, self.device)
+        return rows, texts
+
+    def sync(self, model) -> None:
+        """The engine gets `model`'s weights (every rank calls it together)."""
+        weights = full_parameters(model, self.dtype)
+        if self.adapted:
+            weights = cast(lora.merged_weights(model), self.dtype)
+        self.engine.sync(weights)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def make_sampler(engine: str, model, tokenizer, stop: list[int], path: str, sampling: RolloutConfig,
+                 dtype: torch.dtype, longest: int, trust_remote_code: bool = False,
+                 adapted: bool = False, what: str = "rollout.engine=vllm"):
+    """The sampler set-up picks: HF generate on `model`, or with `engine` vllm a vLLM engine on
+    `path` given `model`'s weights (in `dtype`), for prompts and completions of up to `longest`
+    tokens. `what` names the setting in a RunError."""
+    if engine == "hf":
+        return HFSampler(model, tokenizer, stop)
+    if not available():
+        raise RunError(f"{what} needs vLLM (pip install -r requirements-vllm.txt)")
+    device = next(model.parameters()).device
+    try:
+        llm = Engine(path, sampling, dtype, device, longest, trust_remote_code)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise RunError(f"{what}: {type(e).__name__}: {oneline(e)}") from None
+    sampler = VLLMSampler(model, tokenizer, stop, llm, dtype, device, adapted)
+    sampler.sync(model)
+    return sampler

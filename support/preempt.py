@@ -4,11 +4,13 @@ its next token or problem, and the caller goes back to its last safe point.
 
   STOP.install()   once per process: the signal handlers
   should_stop()    whether a stop was asked for; cheap enough to call after every token.
-                   rollout.generate calls it through a transformers StoppingCriteria; another
-                   generation engine calls the same function
+                   rollout.generate calls it through `StopRequested`, a transformers
+                   StoppingCriteria; another generation engine calls the same function
   STOP.agreed()    every rank at the same point: the signal any rank got (all-reduce MAX), 0 if none
   abandonable()    a phase a stop may cut short on one rank: at its end every rank agrees, and all
                    raise Interrupted together if any rank was stopped
+  generating()     abandonable, with FSDP's weights gathered for the phase (support/parallel.py)
+  rewind()         around a step's rollout: a stop puts back the RNG streams and the data position
 
 Ranks generate different lengths, so no collective can run per token: a rank stops on its own
 flag, and the ranks agree at the phase's end, which every rank reaches. A rank that got the signal
@@ -33,6 +35,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import transformers
+
+from support import parallel
+from support.util import rng_state, set_rng_state
 
 KEY = "preempt/stop"  # in the process group's store: the signal number a rank got
 POLL = 1.0  # seconds between looks into the store
@@ -119,3 +125,46 @@ def abandonable():
         pass
     if STOP.agreed():
         raise Interrupted
+
+
+@contextmanager
+def generating(model, compute):
+    """A generation phase: whole weights under FSDP, the compute dtype, and a stop abandons it on
+    every rank (`abandonable`)."""
+    with parallel.generation(model, compute), abandonable():
+        yield
+
+
+class Rewound:
+    """What `rewind` yields: `stopped` is set when a stop abandoned the step."""
+
+    stopped = False
+
+
+@contextmanager
+def rewind(progress: dict, generators: list):
+    """Around a step's rollout: a stop during it (or agreed at its end) puts back the RNG streams,
+    the data position and the `generators` (objects with get_state / set_state), so a checkpoint
+    now is this step's start, and sets `stopped`."""
+    rng = rng_state()
+    data_pos = progress["data_pos"]
+    states = [g.get_state() for g in generators]
+    mark = Rewound()
+    try:
+        yield mark
+        if STOP.agreed():
+            raise Interrupted
+    except Interrupted:
+        set_rng_state(rng)
+        progress["data_pos"] = data_pos
+        for g, state in zip(generators, states):
+            g.set_state(state)
+        mark.stopped = True
+
+
+class StopRequested(transformers.StoppingCriteria):
+    """Ends a `generate` call after the token under way once a stop is asked for."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        B, device = input_ids.shape[0], input_ids.device
+        return torch.full((B,), should_stop(), dtype=torch.bool, device=device)

@@ -10,27 +10,15 @@ steps to the baseline's final accuracy, O1-Pruner's AES, the eval entropy.
 """
 
 import argparse
-import csv
 import itertools
-import json
 import math
-import random
 import statistics
 import sys
 from pathlib import Path
 
-import mpmath
-
-from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
-
-FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
-          "tokens_ratio", "steps_to_target", "aes", "area"]
-NUMBER = (int, float)
-NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated_total",
-           "eval_entropy_final", "generated_tokens", "tokens/generated_total", "eval/accuracy",
-           "eval/accuracy_se", "eval/response_len", "eval/entropy"]
-TYPES = {"strategy": str, "seed": int, "step": int} | dict.fromkeys(NUMBERS, NUMBER)
-
+from support.compare_io import compare_table, mixed_configs, read_run, write
+from support.stats import aes, bootstrap, detectable, holm, mean, mean_interval, welch_p
+from support.util import OneLineParser, flatten
 
 def load_run(path: str | Path) -> dict:
     """A run folder: arm, seed, final figures and the eval curve [(step, generated tokens, accuracy,
@@ -46,6 +34,10 @@ def load_run(path: str | Path) -> dict:
         tags.append("dynamic")
     if config.get("model", {}).get("lora", {}).get("rank", 0) > 0:  # adapters: lora, aper+lora
         tags.append("lora")
+    if config.get("skip", {}).get("enabled"):  # GRESO's prompt skipping: skip, aper+skip
+        tags.append("skip")
+    if config.get("stages", {}).get("first", 0) > 0:  # staged rollouts
+        tags.append("stages")
     optim = config.get("optim", {})
     if optim.get("epochs", 1) > 1:  # reuse too: epochs2, epochs4+gate, aper+epochs2
         tags.append(f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate")))
@@ -57,49 +49,13 @@ def load_run(path: str | Path) -> dict:
         curve.append((row.get("step"), tokens, row.get("eval/accuracy"), se))
     curve = [c for c in curve if c[2] is not None]
     return {"path": str(path), "strategy": "+".join(tags).removeprefix("none+"),
+            "config": flatten(config),
             "seed": summary.get("seed", config.get("seed")), "curve": curve,
             "finished": bool(summary),
             "final": curve[-1][2] if curve else None,
             "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
             "tokens": summary.get("tokens_generated_total", tokens),
             "entropy": summary.get("eval_entropy_final", rows[-1].get("eval/entropy"))}
-
-
-def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
-    """(summary.json, config.yaml, metrics.jsonl rows), one of summary and metrics at least, every
-    field load_run reads checked: ValueError naming the file (and line) otherwise."""
-    summary_file, config_file = path / "summary.json", path / "config.yaml"
-    metrics_file = path / "metrics.jsonl"
-    if not metrics_file.exists() and not summary_file.exists():
-        raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
-    summary, config, rows = {}, {}, []
-    if summary_file.exists():
-        with open_regular(summary_file, 1 << 20) as f:
-            summary = json_line(f.read(), summary_file, 1) or {}
-        check_types(summary, summary_file)
-    if config_file.exists():
-        config = read_yaml_file(config_file) or {}
-        sections = ("replay", "rollout", "optim")
-        if not isinstance(config, dict) or not all(
-                isinstance(config.get(k, {}), dict) for k in sections):
-            raise ValueError(f"{config_file}: not a run's config (a mapping of sections)")
-    numbered = jsonl_rows(metrics_file) if metrics_file.exists() else []
-    for lineno, row in numbered:
-        check_types(row, f"{metrics_file}:{lineno}")
-        if row.get("step") is None or row.get("generated_tokens") is None:
-            raise ValueError(f"{metrics_file}:{lineno}: a row without step or generated_tokens")
-        rows.append(row)
-    return summary, config, rows
-
-
-def check_types(row: dict, where) -> None:
-    """ValueError naming `where` and the field, for a field of another type than TYPES says (null
-    is allowed; a bool is not a number)."""
-    for key, types in TYPES.items():
-        value = row.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
-            want = "a number" if types is NUMBER else types.__name__
-            raise ValueError(f"{where}: {key} must be {want}, got {json.dumps(value)[:40]}")
 
 
 def area(curve: list[tuple], budget: float) -> float | None:
@@ -167,108 +123,14 @@ def seed_mean_curve(runs: list[dict]) -> list[tuple]:
     return curve
 
 
-def aes(L, A, L_b, A_b, alpha: float = 1.0, beta: float = 3.0, gamma: float = 5.0) -> float:
-    """O1-Pruner's accuracy-efficiency score of length L and accuracy A against a baseline's."""
-    if L_b <= 0 or A_b <= 0:
-        return math.nan
-    dA = (A - A_b) / A_b
-    return alpha * (L_b - L) / L_b + (beta if dA >= 0 else gamma) * dA
-
-
-def bootstrap(values: list[float], stat=statistics.median) -> tuple[float, float]:
-    """95 % percentile bootstrap interval of `stat`, linear between neighbours (inf stays inf):
-    every resample of ≤ 6 values, else 20,000 with a fixed seed."""
-    draws = itertools.product(values, repeat=len(values))
-    if len(values) > 6:
-        rng = random.Random(0)
-        draws = (rng.choices(values, k=len(values)) for _ in range(20_000))
-    stats = sorted(map(stat, draws))
-    bounds = []
-    for q in (0.025, 0.975):
-        i, f = divmod(q * (len(stats) - 1), 1)
-        a, b = stats[int(i)], stats[min(int(i) + 1, len(stats) - 1)]
-        bounds.append(a if f == 0 or a == b else a + f * (b - a))
-    return bounds[0], bounds[1]
-
-
-def t_sf(t: float, df: float) -> float:
-    """P(T > t) for Student's t with `df` degrees of freedom (regularized incomplete beta)."""
-    p = 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
-    return p if t >= 0 else 1 - p
-
-
-def t_quantile(p: float, df: float) -> float:
-    """The p-quantile (p ≥ 0.5) of Student's t, by bisection."""
-    lo, hi = 0.0, 1e3
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if t_sf(mid, df) < 1 - p:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-def mean(xs: list[float]) -> float:
-    return statistics.fmean(xs) if xs else math.nan
-
-
-def mean_interval(xs: list[float]) -> tuple[float, float]:
-    """95 % Student-t interval of the mean."""
-    if len(xs) < 2:
-        return math.nan, math.nan
-    half = t_quantile(0.975, len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
-    return mean(xs) - half, mean(xs) + half
-
-
-def welch(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Standard error of mean(a) − mean(b) and its Welch–Satterthwaite degrees of freedom."""
-    if len(a) < 2 or len(b) < 2:
-        return math.nan, math.nan
-    va = statistics.variance(a) / len(a)
-    vb = statistics.variance(b) / len(b)
-    if va + vb == 0:
-        return 0.0, math.nan
-    return math.sqrt(va + vb), (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-
-
-def welch_p(a: list[float], b: list[float]) -> float:
-    """Two-sided p-value of Welch's t-test that the means of `a` and `b` differ."""
-    se, df = welch(a, b)
-    if not se > 0:  # NaN: too few values; 0: no spread
-        return math.nan if math.isnan(se) else float(mean(a) == mean(b))
-    return 2 * t_sf(abs(mean(a) - mean(b)) / se, df)
-
-
-def detectable(a: list[float], b: list[float]) -> float:
-    """The smallest difference of means Welch's two-sided test at α = 0.05 finds with 80 % power:
-    (t_{0.975,ν} + t_{0.8,ν}) · SE, Welch's SE and ν (t quantiles: a few seeds estimate the SDs)."""
-    se, df = welch(a, b)
-    if not se > 0:
-        return math.nan
-    return (t_quantile(0.975, df) + t_quantile(0.8, df)) * se
-
-
-def holm(ps: list[float]) -> list[float]:
-    """Holm's step-down adjustment (NaN: no test, not counted in m): with p_(1) ≤ … ≤ p_(m),
-    adjusted p_(i) = max over j ≤ i of min(1, (m − j + 1) p_(j))."""
-    order = sorted((i for i, p in enumerate(ps) if not math.isnan(p)), key=lambda i: ps[i])
-    adjusted = [math.nan] * len(ps)
-    running = 0.0
-    for j, i in enumerate(order):  # j = rank − 1, so m − j is (m − rank + 1)
-        running = max(running, min(1.0, (len(order) - j) * ps[i]))
-        adjusted[i] = running
-    return adjusted
-
-
 def positive_number(text: str) -> float:
-    """--budget's number: ValueError unless it is one and > 0."""
+    """--budget's number: ValueError unless it is one, finite and > 0."""
     try:
         value = float(text)
     except ValueError:
         raise ValueError(f"--budget must be a number > 0 or shortest, got {text!r}") from None
-    if not value > 0:
-        raise ValueError(f"--budget must be > 0, got {text}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"--budget must be finite and > 0, got {text}")
     return value
 
 
@@ -345,44 +207,9 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "tokens": mean([run["tokens"] for run in runs])}
 
 
-def compare_table(table: list[dict], target: float, budget: float, baseline: str) -> str:
-    """The markdown table: the area, final accuracy, then the secondary columns."""
-    crossing = f"tokens to {100 * target:.1f}% ÷ {baseline}'s: median (95% CI) [per seed]"
-    columns = ["strategy", "seeds", f"area to {budget:,.0f} tokens % (95% CI) [runs]", "Δ pp",
-               "p", "Holm p", "verdict", "detectable Δ pp (80% power)", "final acc % (95% CI)",
-               "p", "Holm p", crossing, "reached", f"steps to it ÷ {baseline}'s (95% CI)",
-               "AES (95% CI)", "eval entropy", "tokens generated"]
-    lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
-    for row in table:
-        ratio = "never reached" if math.isinf(row["ratio_median"]) else f"{row['ratio_median']:.2f}"
-        seeds = " / ".join("–" if math.isinf(x) else f"{x:.2f}" for x in row["ratios"])
-        cells = [row["strategy"], row["seeds"],
-                 (f"{100 * row['area_mean']:.1f} ({interval(row['area_ci'], 100, '.1f')}) "
-                  f"[{row['area_n']}]"),
-                 num(row["area_diff"], "+.1f", 100), num(row["area_p"]), num(row["area_p_holm"]),
-                 row["verdict"], num(row["detectable"], ".1f", 100),
-                 f"{100 * row['acc_mean']:.1f} ({interval(row['acc_ci'], 100, '.1f')})",
-                 num(row["p_vs_base"]), num(row["p_vs_base_holm"]),
-                 f"{ratio} ({interval(row['ratio_ci'])}) [{seeds}]",
-                 f"{row['reached']}/{row['seeds']}",
-                 f"{row['steps_ratio']:.2f} ({interval(row['steps_ratio_ci'])})",
-                 f"{row['aes_mean']:.3f} ({interval(row['aes_ci'], fmt='.3f')})",
-                 f"{row['entropy']:.3f}", f"{row['tokens']:.3g}"]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
-
-
-def interval(bounds: tuple[float, float], scale: float = 1.0, fmt: str = ".2f") -> str:
-    return "–".join("∞" if math.isinf(x) else f"{scale * x:{fmt}}" for x in bounds)
-
-
-def num(x: float, fmt: str = ".2g", scale: float = 1.0) -> str:
-    return "" if math.isnan(x) else f"{scale * x:{fmt}}"  # blank: no test
-
-
 def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog=prog, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="[LABEL=]RUN_DIR", help="run folders")
     ap.add_argument("--out-dir", default="eval_results/compare", help="where the tables go")
     ap.add_argument("--baseline", default="none", help="the arm the others are measured against")
@@ -390,9 +217,13 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                     "the baseline's mean final accuracy)")
     ap.add_argument("--budget", help="generated tokens the area covers, or `shortest`: the "
                     "smallest total of the finished runs (default: of the baseline's runs)")
+    ap.add_argument("--allow-mixed", action="store_true", help="pool the runs of an arm even "
+                    "when their configs differ beyond the seed (see UNCOMPARED)")
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:
+        if args.target is not None and not 0 <= args.target <= 1:  # (NaN is not)
+            raise ValueError(f"--target must be an accuracy in [0, 1], got {args.target}")
         budget = args.budget
         if budget not in (None, "shortest"):
             budget = positive_number(budget)
@@ -403,6 +234,11 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                 runs.append(load_run(folder) | {"strategy": label})
             else:
                 runs.append(load_run(arg))
+        mixed = mixed_configs(runs)
+        if mixed and not args.allow_mixed:
+            raise ValueError(mixed)
+        for run in runs:
+            run.pop("config")
         table, target, budget = compare_runs(runs, args.baseline, args.target, budget)
         print(compare_table(table, target, budget, args.baseline))
         short = [run["path"] for run in runs if run["area"] is None]
@@ -415,17 +251,6 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
             raise
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def write(out: Path, runs: list[dict], result: dict) -> None:
-    """compare.csv (per run; the area blank where left out) and compare.json (per arm, per run)."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "compare.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(runs)
-    (out / "compare.json").write_text(json.dumps(result | {"runs": runs}, indent=1))
-    print(f"\nwrote {out / 'compare.csv'} and {out / 'compare.json'}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""Whole or refused: a checkpoint's manifest (every file and its size, written last), the trainer
+state's fields, a model folder's weights and tokenizer. Each check runs before anything is used, so
+a partial or damaged folder is one line naming what is wrong, never a traceback halfway through a
+resume, nor a model that runs with freshly initialised tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from data.loaders import open_regular
+from support.util import RunError, fsync, oneline
+
+MANIFEST = "manifest.json"
+PROBE = "What is 12 + 30? Put the answer in \\boxed{42}."  # text every math tokenizer encodes
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+COUNTS = ("step", "data_pos", "generated_tokens", "source_tokens", "trained_tokens",
+          "trained_rows")
+
+
+def refuse(fault: str | None) -> None:
+    if fault:
+        raise RunError(fault)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: every file below `folder` with its size in bytes, fsync'ed. Written by rank
+    0 after every rank has written its files, before the folder is renamed into place."""
+    files = {}
+    for f in sorted(folder.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            files[str(f.relative_to(folder))] = f.stat().st_size
+    path = folder / MANIFEST
+    path.write_text(json.dumps({"files": files}, indent=1) + "\n")
+    fsync(path)
+
+
+def manifest_fault(ck: Path) -> str | None:
+    """The first file manifest.json lists that is missing or of another size (None: all there, or
+    no manifest: a checkpoint of older code, which read_state checks by its state instead)."""
+    if not (ck / MANIFEST).exists():
+        return None
+    try:
+        with open_regular(ck / MANIFEST, 1 << 24) as f:
+            listed = json.loads(f.read())["files"]
+        sizes = [(str(name), int(size)) for name, size in listed.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST} is damaged"
+    for name, size in sizes:
+        f = ck / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} is {f.stat().st_size:,} bytes, its {MANIFEST} says {size:,}"
+    return None
+
+
+def _count(v) -> bool:
+    return type(v) is int and v >= 0  # (a bool is no count)
+
+
+def _finite(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and v >= 0
+
+
+def state_fault(state, ck: Path) -> str | None:
+    """Why a trainer state (state_rank{r}.pt of checkpoint `ck`) cannot be resumed: a field missing,
+    of another type or out of its range (None: it can). A checkpoint without a manifest must hold
+    optimizer.pt once its state says updates were applied."""
+    run = state.get("run") if isinstance(state, dict) else None
+    if not isinstance(run, dict):
+        return "trainer state without its run progress"
+    world = state.get("world")
+    fields = [("world", world, type(world) is int and world >= 1, "an integer ≥ 1")]
+    for key in ("rng", "replay"):
+        fields.append((key, state.get(key), isinstance(state.get(key), dict), "a mapping"))
+    for key in COUNTS:
+        fields.append((f"run.{key}", run.get(key), _count(run.get(key)), "an integer ≥ 0"))
+    skipped = run.get("skipped")
+    counts = isinstance(skipped, dict) and all(map(_count, skipped.values()))
+    fields += [("run.wall", run.get("wall"), _finite(run.get("wall")), "a finite number ≥ 0"),
+               ("run.skipped", skipped, counts, "a mapping of integers ≥ 0")]
+    for key in ("config", "eval_initial", "eval_last"):
+        fields.append((f"run.{key}", run.get(key), isinstance(run.get(key), dict), "a mapping"))
+    row = run.get("pending_row")
+    fields.append(("run.pending_row", row, row is None or isinstance(row, dict), "none or a row"))
+    for key, value, ok, rule in fields:
+        if not ok:
+            return f"trainer state: {key} must be {rule}, got {repr(value)[:40]}"
+    if ck.name != f"step_{run['step']:06d}":
+        return f"its trainer state is of step {run['step']}"
+    applied = run["trained_tokens"] > 0 and not skipped.get("nonfinite")  # an update was applied
+    if applied and not (ck / MANIFEST).exists() and not (ck / "optimizer.pt").is_file():
+        trained = run["trained_tokens"]
+        return f"optimizer.pt is missing, and its state says {trained:,} tokens trained"
+    return None
+
+
+# ------------------------------------------------------------------------------ model folders
+
+
+def weights_fault(info: dict) -> str | None:
+    """What from_pretrained's loading info lists: tensors the folder lacks (which transformers would
+    initialise at random), holds beyond the architecture, or holds in another shape. Tied weights
+    (an lm_head sharing the embeddings) are not listed. None: the weights are whole."""
+    said = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"),
+                      ("mismatched_keys", "of another shape")):
+        names = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info.get(key) or ())
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            said.append(f"{len(names)} {what} ({', '.join(names[:3])}{more})")
+    if said:
+        return f"its weights do not fit its architecture: tensors {'; '.join(said)}"
+    return None
+
+
+def tokenizer_fault(tokenizer, model, path: str) -> str | None:
+    """Why the tokenizer cannot serve `model` (None: it can): a probe text must encode to a
+    non-empty list of ids within the model's embedding rows. Without its files transformers builds
+    a tokenizer of special tokens alone, which encodes every prompt to nothing."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    try:
+        ids = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+    except Exception as e:  # a broken tokenizer file fails in its own ways
+        return f"its tokenizer fails on a probe text ({type(e).__name__}: {oneline(e, 100)})"
+    if not ids:
+        files = [name for name in TOKENIZER_FILES if (Path(path) / name).is_file()]
+        missing = "" if files else f" (no {', '.join(TOKENIZER_FILES)} in the folder)"
+        return f"its tokenizer encodes a probe text to no tokens{missing}"
+    bad = [i for i in ids if type(i) is not int or not 0 <= i < rows]
+    if bad:
+        return f"its tokenizer gives id {bad[0]}, outside the model's {rows:,} embedding rows"
+    return None

@@ -1,0 +1,154 @@
+"""Everything torchrun adds, as plain calls that do nothing in one process: the process group and
+its backend map, this process's rank, reductions and gathers over the processes, whole tensors of
+FSDP shards, the generation context that gathers FSDP weights once, and DDP's micro-batch sync.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+MAX = dist.ReduceOp.MAX
+MIN = dist.ReduceOp.MIN
+
+
+def backend_map(device_type: str) -> str:
+    """gloo for our collectives on host tensors (NCCL serves none); NCCL for the model's."""
+    if device_type == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{device_type}:{dist.Backend.default_device_backend_map[device_type]}"
+
+
+def init() -> tuple[int, int]:
+    """Join torchrun's process group (even of one process); returns (rank, world)."""
+    if "LOCAL_RANK" in os.environ and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = backend_map("cuda" if torch.cuda.is_available() else "cpu")
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+    return rank_and_world()
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_ranks(x, op=None):
+    """`x` (a number or a float tensor) reduced over the processes, summed by default; `x` itself in
+    one process."""
+    if not dist.is_initialized():
+        return x
+    t = torch.as_tensor(x, dtype=torch.float64).clone()
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    if isinstance(x, Tensor):
+        return t
+    return t.item()
+
+
+def gather(items: list) -> list:
+    """Every rank's `items`, concatenated in rank order (`items` itself in one process)."""
+    if not dist.is_initialized():
+        return items
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def share(items: list) -> list:
+    """This rank's share of `items`: every world-th one from the rank's own position."""
+    rank, world = rank_and_world()
+    return items[rank::world]
+
+
+def fork_rng(device: torch.device):
+    """torch.random.fork_rng over the CPU stream and, on a GPU, this rank's device's."""
+    devices = []
+    if device.type == "cuda":
+        devices = [device]
+    return torch.random.fork_rng(devices=devices)
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor of an FSDP shard (a collective: every rank calls it); others as they are."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return t
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part of an FSDP shard; others as they are."""
+    if isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def backward(loss: Tensor, real: bool) -> None:
+    """Backward of this rank's share of a loss normalised by global totals: DDP and FSDP average
+    gradients over ranks, so the loss is × world; a stand-in micro-batch (a rank with fewer runs
+    one, so every rank's collectives match) is × 0."""
+    world = rank_and_world()[1]
+    (loss * (world if real else 0.0)).backward()
+
+
+def micro_sync(policy, last: bool):
+    """DDP all-reduces gradients on the last micro-batch of an optimizer step only."""
+    if hasattr(policy, "no_sync") and not last:
+        return policy.no_sync()
+    return nullcontext()
+
+
+@contextmanager
+def generation(model, compute):
+    """Generation with whole weights: under FSDP they are gathered once (in bf16 with bf16 compute)
+    and stay for every token of the phase, then are freed, so no collective runs while ranks
+    generate different lengths. Each module's reshard-after-forward setting is restored as found
+    (FSDP2 keeps the root unsharded after forward: the training backward needs its weights at once,
+    and resharding it would cost one more all-gather per backward)."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if sharded:  # the root's first forward would settle its setting: settle it now, then read it
+        sharded[0]._get_fsdp_state()._lazy_init()
+    found = [_reshard_setting(m) for m in sharded]
+    for m in sharded:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        with compute:
+            yield
+    finally:
+        for m, setting in zip(sharded, found):
+            _restore_reshard_setting(m, setting)
+            m.reshard()
+
+
+def _reshard_setting(module) -> tuple:
+    """FSDP2's reshard-after-forward state of `module` (its API sets it but cannot read it)."""
+    state = module._get_fsdp_state()
+    meshes = [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    return state._auto_reshard_after_forward, meshes
+
+
+def _restore_reshard_setting(module, setting: tuple) -> None:
+    state = module._get_fsdp_state()
+    state._auto_reshard_after_forward = setting[0]
+    for group, mesh_info in zip(state._fsdp_param_groups, setting[1]):
+        group.post_forward_mesh_info = mesh_info
+

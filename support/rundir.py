@@ -1,0 +1,261 @@
+"""The run's folder, as rank 0 holds it: one run at a time (locked before anything in it is read,
+to the end), --overwrite's old run kept aside until the new one has a step, atomic writes, and what
+a resume rewrites (config.yaml, metrics.jsonl cut back) written aside and renamed into place once
+the resumed run has saved its first checkpoint (or ended): a run that fails before then leaves
+every file as it found it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from support.util import RunError, flat_dict, fsync
+
+# What runs write in out_dir (and `.tmp_` + each while it is written): a folder holding anything
+# else is never overwritten.
+RUN_FILES = {".run", ".lock", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints",
+             "final", "wandb", "eval"}
+ASIDE = ".overwritten"  # where --overwrite keeps the old run: <out_dir>.overwritten
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """disabled | offline | online."""
+    project: str = "replay-grpo"
+    """wandb project."""
+    group: str = ""
+    """Runs of one comparison share a group (default: none)."""
+    name: str = ""
+    """Run name (default: strategy-seed)."""
+
+    def check(self) -> dict[str, tuple[bool, str]]:
+        modes = ("disabled", "offline", "online")
+        return {"mode": (self.mode in modes, "disabled, offline or online")}
+
+
+def aside(out: Path) -> Path:
+    return out.with_name(out.name + ASIDE)
+
+
+class RunFolder:
+    """out_dir of one run. Rank 0 locks it at the start of set-up and holds it to the end; the
+    other ranks only check it (every method is a no-op there)."""
+
+    def __init__(self, out_dir: str, rank: int):
+        self.out = Path(os.path.abspath(out_dir))  # absolute: --overwrite renames the folder
+        self.rank = rank
+        self.lock = None  # the open .lock of the folder as found (held while it is aside too)
+        self.before = None  # .lock's text before this run took it (None: taking it created it)
+        self.made = []  # the folders taking the lock created, deepest first
+        self.fresh = None  # --overwrite: the lock of the new folder while the old one is aside
+        self.pending = []  # a resume's config.yaml and metrics.jsonl, written aside
+
+    @contextmanager
+    def setting_up(self, resume: str | None, overwrite: bool):
+        """Lock out_dir (rank 0) before anything in it is read, check it, run the block (set-up):
+        two runs started together on one folder, one of them is refused. A failure leaves the
+        folder as it was: what the lock created goes, .lock's text comes back."""
+        if self.out.exists() and not self.out.is_dir():
+            raise RunError(f"out_dir {self.out} is a file")
+        try:
+            if self.rank == 0:
+                self.made = [p for p in (self.out, *self.out.parents) if not p.exists()]
+                self.lock, self.before = lock_folder(self.out)
+            check_out_dir(self.out, resume, overwrite)
+            yield self
+        except BaseException:
+            self.restore()
+            self.close()
+            raise
+
+    def claim(self, overwrite: bool) -> None:
+        """After set-up: --overwrite renames the old run aside (whole, still locked) and starts a
+        new folder; the .run marker says a run wrote this folder."""
+        if self.rank:
+            return
+        try:
+            if overwrite and (self.out / ".run").exists():
+                os.replace(self.out, aside(self.out))
+                self.fresh = lock_folder(self.out)[0]
+            if not (self.out / ".run").exists():
+                (self.out / ".run").write_text(json.dumps({"created": time.time()}) + "\n")
+        except OSError as e:
+            raise RunError(f"out_dir {self.out} is not writable: {e.strerror or e}") from None
+
+    def open_log(self, cfg, progress: dict, resumed: bool) -> tuple:
+        """config.yaml, metrics.jsonl (on resume: both written aside, the metrics cut back to the
+        checkpoint's step), the wandb run: returns (metrics open for appending, the wandb run or
+        None)."""
+        if self.rank:
+            return None, None
+        config = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+        path = self.out / "metrics.jsonl"
+        if resumed:  # lines after the checkpoint will be written again; a line cut by a kill goes
+            kept = cut_back(path, progress["step"])
+            self.pending = [self.out / ".tmp_metrics.jsonl", self.out / ".tmp_config.yaml"]
+            for tmp, text in zip(self.pending, (kept, config)):
+                write_synced(tmp, text)
+            path = self.pending[0]
+        else:
+            write_file(self.out / "config.yaml", config)
+        return open(path, "a"), start_wandb(cfg, self.out, progress)
+
+    def step_done(self, saved: bool) -> None:
+        """After a step: the run --overwrite set aside goes; once a checkpoint is `saved`, a
+        resume's files go into place (its log file stays open: a rename keeps the file)."""
+        if self.rank:
+            return
+        if self.fresh is not None:
+            shutil.rmtree(aside(self.out))
+            self.lock.close()
+            self.lock, self.before, self.fresh = self.fresh, None, None
+        if saved:
+            self.commit()
+
+    def commit(self) -> None:
+        for tmp in self.pending:
+            os.replace(tmp, tmp.with_name(tmp.name.removeprefix(".tmp_")))
+        if self.pending:
+            fsync(self.out)
+        self.pending = []
+
+    def failed(self) -> None:
+        """The run failed: what it has not made its own yet goes back (a resume's files, the run
+        --overwrite set aside), and .lock's text."""
+        if self.rank:
+            return
+        for tmp in self.pending:
+            tmp.unlink(missing_ok=True)
+        self.pending = []
+        if self.fresh is not None:  # the new run failed before its first step: the old returns
+            shutil.rmtree(self.out)
+            self.fresh.close()
+            self.fresh = None
+            os.replace(aside(self.out), self.out)
+        self.restore(claimed=True)
+
+    def restore(self, claimed: bool = False) -> None:
+        """.lock as this run found it (its text back, or gone unless the run had `claimed` the
+        folder: then it stays, a run's file), and the folders the lock made."""
+        if self.lock is None or self.lock.closed:
+            return
+        if self.before is not None:
+            self.lock.truncate(0)
+            self.lock.write(self.before)
+            self.lock.flush()
+        elif not claimed:
+            (self.out / ".lock").unlink(missing_ok=True)
+        for folder in self.made:  # (refused when it holds anything: then it is not only ours)
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+    def close(self) -> None:
+        for lock in (self.lock, self.fresh):
+            if lock is not None:
+                lock.close()
+
+
+def check_out_dir(out: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse, before anything is created or deleted, an out_dir this run may not use."""
+    names = set()
+    if out.is_dir():
+        names = {p.name for p in out.iterdir()} - {".lock"}
+    strange = sorted(n for n in names if n.removeprefix(".tmp_") not in RUN_FILES)
+    if names and (strange or not (out / ".run").is_file()):
+        listed = ", ".join(strange[:3]) or "no .run marker"
+        raise RunError(f"out_dir {out} holds files no run wrote ({listed}); choose another out_dir")
+    if names and resume is None and not overwrite:
+        raise RunError(f"out_dir {out} is not empty; "
+                       "pass --resume to continue it or --overwrite to start over")
+    if overwrite and aside(out).exists():
+        raise RunError(f"{aside(out)} holds a run an interrupted --overwrite set aside; "
+                       "move it back or delete it")
+
+
+def lock_folder(out: Path) -> tuple:
+    """out_dir, created if need be, locked by this process (the lock dies with it): (the open
+    .lock, its text before, None if this created it). A .lock removed by a run that failed while
+    we opened it is opened again: a lock on a removed file would lock nothing."""
+    path = out / ".lock"
+    for _ in range(3):
+        existed = path.is_file()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            lock = open(path, "a+")
+        except OSError as e:
+            raise RunError(f"out_dir {out} is not writable: {e.strerror or e}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            pid = path.read_text().strip() or "?"
+            raise RunError(f"out_dir {out} is in use by another run (pid {pid})") from None
+        if path.is_file() and os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+            break
+        lock.close()
+    lock.seek(0)
+    before = lock.read() if existed else None
+    lock.truncate(0)  # ("a+": the write goes to the end)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock, before
+
+
+def write_synced(path: Path, text: str) -> None:
+    """`text` into `path`, fsync'ed; a failed write leaves no partial file."""
+    try:
+        path.write_text(text)
+        fsync(path)
+    except OSError:
+        path.unlink(missing_ok=True)  # left behind, it would make out_dir look like no run's
+        raise
+
+
+def write_file(path: Path, text: str) -> None:
+    """Replace `path` by `text` atomically: a temporary file, fsync'ed, renamed."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    write_synced(tmp, text)
+    os.replace(tmp, path)
+    fsync(path.parent)
+
+
+def cut_back(path: Path, step: int) -> str:
+    """The lines of metrics.jsonl up to `step` (a line cut by a kill is left out)."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    return "".join(kept)
+
+
+def start_wandb(cfg, out: Path, progress: dict):
+    """The wandb run (None when off); a resumed run continues its own (progress["wandb_id"])."""
+    if cfg.wandb.mode == "disabled":
+        return None
+    import wandb
+
+    w = cfg.wandb
+    strategy = cfg.replay.strategy
+    run_id = progress["wandb_id"]
+    run = wandb.init(project=w.project, group=w.group or None,
+                     name=w.name or f"{strategy}-s{cfg.seed}", tags=[strategy],
+                     config=flat_dict(cfg), dir=str(out), mode=w.mode, id=run_id,
+                     resume="allow" if run_id else None)
+    progress["wandb_id"] = run.id
+    return run

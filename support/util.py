@@ -1,0 +1,150 @@
+"""Small helpers: the bad-input error, an exception as one line, what a path or a text must be,
+dependencies kept quiet, a timer, a dtype by name, the global RNG streams as plain values."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class RunError(Exception):
+    """Bad input, or a failed read or write, found while running: one line, exit 2."""
+
+
+def oneline(e: Exception, n: int = 300) -> str:
+    """An exception's message on one line, at most `n` characters."""
+    return " ".join(str(e).split())[:n]
+
+
+NAME_MAX = 255  # bytes of one path component (Linux, and most file systems)
+PATH_MAX = 4000  # bytes of a path: the kernel's 4096, less room for the names a run writes inside
+
+
+def path_fault(path: str, suffix: str = "") -> str | None:
+    """Why `path` cannot be a file system path (None when it can): a NUL byte, a component over
+    NAME_MAX bytes (the last one with `suffix` added, as `.overwritten` or `.meta.json` will be), or
+    over PATH_MAX bytes in all once absolute. Checked before anything is created, so a refused path
+    is one line, not an OSError halfway through a run."""
+    if "\0" in path:
+        return "holds a NUL byte"
+    try:
+        parts = [os.fsencode(part) for part in os.path.abspath(path).split(os.sep)]
+    except UnicodeError:
+        return "is not valid Unicode text"
+    longest = max(parts, key=len)
+    if len(longest) > NAME_MAX:
+        name = longest.decode(errors="replace")[:20]
+        return f"has a component of {len(longest)} bytes ({name}...), over {NAME_MAX}"
+    if len(parts[-1] + suffix.encode()) > NAME_MAX:
+        return f"ends in {len(parts[-1])} bytes: with {suffix} added, over {NAME_MAX}"
+    total = sum(map(len, parts)) + len(parts) - 1 + len(suffix.encode())
+    if total > PATH_MAX:
+        return f"is {total:,} bytes long, over {PATH_MAX:,}"
+    return None
+
+
+def text_fault(text: str) -> str | None:
+    """Why `text` is not valid Unicode (None when it is): a lone UTF-16 surrogate, which JSON and
+    YAML escapes (\\ud800) produce and every tokenizer and file write then fails on."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start})"
+    return None
+
+
+@contextmanager
+def quiet(debug: bool):
+    """Dependencies' warnings (FutureWarning, DeprecationWarning) and transformers' reports (the
+    load report, deprecations) are for --debug: on bad input stderr holds our one line only."""
+    if debug:
+        yield
+        return
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        logging.set_verbosity(level)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line and exit 2, as every other bad input (no usage block)."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    """Add the seconds the block takes to times[name]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+
+
+def fsync(path: Path) -> None:
+    """Flush a file (or a folder: a rename in it) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """model.compute_dtype as a torch dtype (float32 or bfloat16)."""
+    return getattr(torch, name)
+
+
+def rng_state() -> dict:
+    """Every global RNG as lists and tensors, so the checkpoint loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested dict."""
+    flat = {}
+    for name, value in d.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{name}.")
+        else:
+            flat[f"{prefix}{name}"] = value  # (a YAML key may be a number)
+    return flat
+
+
+def flat_dict(cfg) -> dict:
+    """{dotted key: value} of every leaf of a config (dataclasses)."""
+    return flatten(dataclasses.asdict(cfg))
