@@ -55,6 +55,8 @@ def load_run(path: str | Path) -> dict:
             "final": curve[-1][2] if curve else None,
             "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
             "tokens": summary.get("tokens_generated_total", tokens),
+            "trained_tokens": summary.get("tokens_trained"),  # the update's compute
+            "trained_rows": summary.get("rows_trained"),  # (None in runs before #42)
             "entropy": summary.get("eval_entropy_final", rows[-1].get("eval/entropy"))}
 
 
@@ -204,7 +206,17 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "aes_mean": mean(aes_v),
             "aes_ci": bootstrap(aes_v, statistics.fmean) if aes_v else (math.nan, math.nan),
             "entropy": math.nan if None in entropy else mean(entropy),
-            "tokens": mean([run["tokens"] for run in runs])}
+            "tokens": mean([run["tokens"] for run in runs]),
+            "trained_tokens": mean_known([run["trained_tokens"] for run in runs]),
+            "trained_rows": mean_known([run["trained_rows"] for run in runs])}
+
+
+def mean_known(xs: list) -> float:
+    """The mean of the values a run recorded (NaN when none did)."""
+    known = [x for x in xs if x is not None]
+    if not known:
+        return math.nan
+    return mean(known)
 
 
 def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:

@@ -28,7 +28,7 @@ UNCOMPARED = ("seed", "out_dir", "threads", "wandb.", "checkpoint.", "eval.every
               "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size",
               "rollout.vllm_")
 FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
-          "tokens_ratio", "steps_to_target", "aes", "area"]
+          "tokens_ratio", "steps_to_target", "aes", "area", "trained_tokens", "trained_rows"]
 
 
 def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
@@ -103,7 +103,7 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
     columns = ["strategy", "seeds", f"area to {budget:,.0f} tokens % (95% CI) [runs]", "Δ pp",
                "p", "Holm p", "verdict", "detectable Δ pp (80% power)", "final acc % (95% CI)",
                "p", "Holm p", crossing, "reached", f"steps to it ÷ {baseline}'s (95% CI)",
-               "AES (95% CI)", "eval entropy", "tokens generated"]
+               "AES (95% CI)", "eval entropy", "tokens generated", "tokens trained", "rows trained"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for row in table:
         ratio = "never reached" if math.isinf(row["ratio_median"]) else f"{row['ratio_median']:.2f}"
@@ -119,7 +119,8 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
                  f"{row['reached']}/{row['seeds']}",
                  f"{row['steps_ratio']:.2f} ({interval(row['steps_ratio_ci'])})",
                  f"{row['aes_mean']:.3f} ({interval(row['aes_ci'], fmt='.3f')})",
-                 f"{row['entropy']:.3f}", f"{row['tokens']:.3g}"]
+                 f"{row['entropy']:.3f}", f"{row['tokens']:.3g}",
+                 num(row["trained_tokens"], ".3g"), num(row["trained_rows"], ".3g")]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 

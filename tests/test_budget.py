@@ -24,8 +24,9 @@ def f(x):
 
 
 def write_tree(root: Path, train: str = SMALL) -> Path:
+    (root / "support").mkdir(exist_ok=True)
     for name in ["train.py", "grpo.py", "replay.py", "rollout.py", "config.py", "rewards.py",
-                 "eval.py", "checkpoint.py", "compare.py"]:
+                 "eval.py", "support/models.py"]:
         (root / name).write_text(SMALL)
     (root / "train.py").write_text(train)
     return root
@@ -69,25 +70,26 @@ def test_budget_detectors_on_a_synthetic_tree(tmp_path):
     assert "conditional expressions, comprehensions, tuples as statements: 4" in out
     assert "train.py:81:Tuple" in out and "functions over 60 lines: 1" in out
     assert "# noqa outside rewards.py: 1" in out and "lines over 100 characters: 1" in out
-    grpo_path = next(line for line in out.splitlines() if line.startswith("GRPO path"))
-    assert grpo_path.split()[-3:] == [str(7 * 4 + 74), "1650", "ok"]
+    reading = next(line for line in out.splitlines() if line.startswith("reading path"))
+    assert reading.split()[-3:] == [str(7 * 3 + 74), "1530", "ok"]  # train, grpo, rollout, replay
     check = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
                             "--check"], capture_output=True, text=True, check=False)
     assert check.returncode == 1 and "4 target(s) missed" in check.stdout
 
 
-def test_budget_check_passes_on_a_clean_tree_and_counts_an_engine(tmp_path):
+def test_budget_check_passes_on_a_clean_tree_and_counts_each_support_module(tmp_path):
     root = write_tree(tmp_path)
-    (root / "engine.py").write_text("x = 1\n" * 1700)  # a vLLM engine module is in the GRPO path
+    (root / "support" / "big.py").write_text("x = 1\n" * 301)  # each module of support/: ≤ 300
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
                            "--check"], capture_output=True, text=True, check=False)
     assert proc.returncode == 1
-    assert "GRPO path (train.py grpo.py replay.py rollout.py config.py engine.py)" in proc.stdout
-    (root / "engine.py").unlink()
-    (root / "checkpoint.py").unlink()
+    big = next(line for line in proc.stdout.splitlines() if line.startswith("support/big.py "))
+    assert big.split()[-3:] == ["301", "300", "MISSED"]
+    (root / "support" / "big.py").unlink()
+    (root / "grpo.py").unlink()
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
                            "--check"], capture_output=True, text=True, check=False)
-    assert proc.returncode == 1 and "(no checkpoint.py)" in proc.stdout  # a missing file misses
+    assert proc.returncode == 1 and "(no grpo.py)" in proc.stdout  # a missing file misses
     write_tree(root)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
                            "--check"], capture_output=True, text=True, check=False)

@@ -194,8 +194,9 @@ def test_lora_checkpoints_hold_the_adapters_alone(lora_run):
 
 def test_lora_final_merged_model_logits_equal_the_adapted_models(lora_run):
     """final/ loads with AutoModelForCausalLM (adapters merged) and final/adapter with
-    PeftModel.from_pretrained on the base; their logits agree within 1e-5 (float32), and the
-    adapters did train."""
+    PeftModel.from_pretrained on the base; their logits agree within float32 round-off (W x + s·B(A
+    x) against (W + s·B A) x, as below: 1.1e-5 measured on transformers 5.24), and the adapters did
+    train."""
     from peft import PeftModel
 
     final = lora_run / "final"
@@ -205,7 +206,7 @@ def test_lora_final_merged_model_logits_equal_the_adapted_models(lora_run):
     tokens = synthetic_batch(merged.config.vocab_size).tokens
     with torch.no_grad():
         a, b = merged(input_ids=tokens).logits, adapted(input_ids=tokens).logits
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-5)
     with torch.no_grad():
         original = AutoModelForCausalLM.from_pretrained(MODEL)(input_ids=tokens).logits
     assert (original - a).abs().max() > 1e-3, "the run moved the policy"

@@ -64,12 +64,20 @@ def test_every_tiny_config_runs(tmp_path, name):
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     strategy = json.loads((out / "summary.json").read_text())["strategy"]
-    no_replay = ("dynamic", "epochs2", "epochs4", "gated", "lora")
-    assert len(rows) == 3 and strategy == ("none" if name in no_replay else name)
+    no_replay = ("dynamic", "epochs2", "epochs4", "gated", "lora", "skip", "stages")
+    composed = {"skip_aper": "aper", "skip_uniform": "uniform"}  # skipping with a replay strategy
+    expected = composed.get(name, name)
+    if name in no_replay:
+        expected = "none"
+    assert len(rows) == 3 and strategy == expected
     for r in rows:
         assert "replay/size" in r and "replay/token_share" in r and "replay/age_max" in r
     if name in ("uniform", "aper"):
         assert rows[-1]["replay/rows"] > 0, "rows were replayed by step 3"
+    if name.startswith("skip"):  # GRESO's metrics every step
+        assert all("greso/p_easy" in r and r["greso/consumed"] >= 16 for r in rows)
+    if name == "stages":  # every step says what the stage rule did
+        assert all(0 < r["stages/sample_share"] <= 1 for r in rows)
     if name == "aper":
         assert all(r["replay/age_max"] <= 1 for r in rows)
     if name == "group":
