@@ -11,7 +11,8 @@ import torch
 from support import stages
 from support.greso import PromptSkip, SkipConfig
 
-SURE = SkipConfig(floor=1e-9)  # a long run at p_min skips with 1 − 1e-9: never drawn as kept
+ON = SkipConfig(enabled=True)  # (off, choose takes the next n and update learns nothing)
+SURE = SkipConfig(enabled=True, floor=1e-9)  # a long run at p_min skips with 1 − 1e-9: never drawn as kept
 
 
 def visit(sk, prompt, *means):
@@ -35,7 +36,7 @@ def make_skippable(sk, prompts):
 
 
 def test_greso_skip_prob_easy_run():
-    sk = PromptSkip(SkipConfig(), 4, seed=0)
+    sk = PromptSkip(ON, 4, seed=0)
     visit(sk, 0, 1.0, 0.99, 1.0)
     sk.p_easy = 0.5  # the updates moved it
     assert sk.skip_prob(0) == 1 - 0.5**3  # k = 3: 0.875
@@ -45,7 +46,7 @@ def test_greso_skip_prob_easy_run():
 
 
 def test_greso_skip_hard_run_only_when_last_visit_hard():
-    sk = PromptSkip(SkipConfig(), 4, seed=0)
+    sk = PromptSkip(ON, 4, seed=0)
     visit(sk, 0, 0.0, 0.0, 0.5)  # two hard visits, then one that is neither: no run
     visit(sk, 1, 0.0, 0.1, 0.0)  # k_h = 3
     visit(sk, 2, 1.0, 1.0, 0.0)  # the easy run ends; k_h = 1
@@ -59,7 +60,7 @@ def test_greso_skip_hard_run_only_when_last_visit_hard():
 
 
 def test_greso_skip_floor():
-    sk = PromptSkip(SkipConfig(), 2, seed=0)
+    sk = PromptSkip(ON, 2, seed=0)
     visit(sk, 0, *[1.0] * 6)
     visit(sk, 1, *[1.0] * 7)
     sk.p_easy = 0.5
@@ -68,7 +69,7 @@ def test_greso_skip_floor():
 
 
 def test_greso_nudge_direction_and_clamp():
-    sk = PromptSkip(SkipConfig(), 6, seed=0)
+    sk = PromptSkip(ON, 6, seed=0)
     prompts = list(range(6))
     flat = torch.ones(6, dtype=torch.bool)
     # first visits: p holds still (GRESO: epoch 0)
@@ -99,7 +100,7 @@ def test_greso_nudge_direction_and_clamp():
 
 
 def test_greso_nudge_targets_a_third_easy_two_thirds_hard():
-    sk = PromptSkip(SkipConfig(), 12, seed=0)
+    sk = PromptSkip(ON, 12, seed=0)
     prompts = list(range(12))
     flat = torch.ones(12, dtype=torch.bool)
     visit(sk, 0, 0.5)  # one prompt seen before: p may move from the next update on
@@ -112,7 +113,7 @@ def test_greso_nudge_targets_a_third_easy_two_thirds_hard():
 
 def test_greso_unseen_prompts_never_skipped():
     N = 2000
-    sk = PromptSkip(SkipConfig(), N, seed=0)
+    sk = PromptSkip(ON, N, seed=0)
     seen = list(range(0, N, 2))  # even prompts on an easy run; odd ones never visited
     sk.update(seen, torch.ones(len(seen)), torch.ones(len(seen), dtype=torch.bool))
     sk.p_easy, sk.p_hard = 1e-6, 1e-6  # below p_min on purpose: skip as much as possible
@@ -140,7 +141,7 @@ def test_greso_choose_replaces_skipped_by_next_in_order():
 
 
 def test_greso_choose_cap_takes_the_rest_unskipped():
-    sk = PromptSkip(SkipConfig(floor=1e-9, max_scan=2), 20, seed=0)
+    sk = PromptSkip(SkipConfig(enabled=True, floor=1e-9, max_scan=2), 20, seed=0)
     make_skippable(sk, range(20))
     c = sk.choose(iter(range(20)), 3)
     assert c.prompts == [6, 7, 8] and c.consumed == 9 and c.skipped == 6
@@ -148,7 +149,7 @@ def test_greso_choose_cap_takes_the_rest_unskipped():
 
 def test_greso_state_dict_round_trip():
     N, n = 50, 8
-    sk = PromptSkip(SkipConfig(), N, seed=3)
+    sk = PromptSkip(ON, N, seed=3)
     g = torch.Generator().manual_seed(1)
     run = torch.randint(0, 3, (N,), generator=g) / 2  # each prompt always 0, 0.5 or 1
     position = 0
@@ -164,7 +165,7 @@ def test_greso_state_dict_round_trip():
     buf = io.BytesIO()
     torch.save(sk.state_dict(), buf)
     buf.seek(0)
-    resumed = PromptSkip(SkipConfig(), N, seed=999)
+    resumed = PromptSkip(ON, N, seed=999)
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     a, b = [], []
     pa = pb = position
@@ -176,7 +177,7 @@ def test_greso_state_dict_round_trip():
     assert a == b
     assert sum(c.skipped for c, _, _ in a) > 0  # the test exercised skipping
     with pytest.raises(ValueError, match="prompts"):
-        PromptSkip(SkipConfig(), N + 1, seed=0).load_state_dict(sk.state_dict())
+        PromptSkip(ON, N + 1, seed=0).load_state_dict(sk.state_dict())
 
 
 def test_greso_config_check():
@@ -214,3 +215,16 @@ def test_stage_unsolved_outcomes_and_metrics():
     assert stages.unsolved(got) == [False, True, True]
     m = stages.metrics([[True] * 2, [True, False, False, False], [False] * 4], G=4)
     assert m == {"stages/stopped": 1 / 3, "stages/unsolved": 1 / 3, "stages/sample_share": 10 / 12}
+
+
+def test_skip_off_takes_the_next_n_and_logs_nothing():
+    """skip.enabled false (the default): choose() is the data order itself, with no draw, whatever
+    the traces say, and no greso/* metric is logged (the other arms' metrics stay as they were)."""
+    sk = PromptSkip(SkipConfig(), 8, seed=0)
+    for i in range(8):
+        visit(sk, i, 1.0, 1.0, 1.0)
+    state = sk.gen.get_state()
+    got = sk.choose(iter(range(8)), 4)
+    assert got.prompts == [0, 1, 2, 3] and got.consumed == 4 and got.skipped == 0
+    assert torch.equal(sk.gen.get_state(), state)
+    assert sk.metrics() == {}
