@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import train
+from support.checkpoint import checkpoints
 from tests.test_reliability import ENV, MODEL, REPO, TIMING, needs_model
 
 STEPS = 6
@@ -196,7 +197,7 @@ def stopped(launch: Launch, code: int, step: int, world: int = 1) -> None:
     assert 'train.py", line' not in err, err[-3000:]  # no traceback through train.py on any rank
     assert f"stopped by SIGTERM after step {step}" in err, err[-3000:]
     out = Path(next(a for a in launch.proc.args if a.startswith("--out_dir=")).partition("=")[2])
-    ck = train.checkpoints(out)[-1]
+    ck = checkpoints(out)[-1]
     assert ck.name == f"step_{step:06d}", ck
     states = sorted(p.name for p in ck.glob("state_rank*.pt"))
     assert states == [f"state_rank{r}.pt" for r in range(world)]

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import train
+from support.checkpoint import checkpoints
 from config import load_config, validate
 from replay import ReplayConfig, make_replay
 from rollout import Rollouts
@@ -140,7 +141,7 @@ def test_sigterm_checkpoints_the_current_step_and_resume_is_bit_identical(refere
     err = proc.stderr.read()
     assert "Traceback" not in err and "stopped by SIGTERM after step" in err and "--resume" in err, err[-2000:]
     step = len(metrics(out))
-    assert 3 <= step < STEPS and [p.name for p in train.checkpoints(out)] == [f"step_{step:06d}"]
+    assert 3 <= step < STEPS and [p.name for p in checkpoints(out)] == [f"step_{step:06d}"]
     r = run_train(out, "--resume", "--checkpoint.every=0")
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(reference, out)

@@ -75,7 +75,7 @@ def test_every_tiny_config_runs(tmp_path, name):
     if name in ("uniform", "aper"):
         assert rows[-1]["replay/rows"] > 0, "rows were replayed by step 3"
     if name.startswith("skip"):  # GRESO's metrics every step
-        assert all("greso/p_easy" in r and r["greso/consumed"] >= 16 for r in rows)
+        assert all("greso/p_easy" in r and r["greso/consumed"] >= r["adv/groups"] for r in rows)
     if name == "stages":  # every step says what the stage rule did
         assert all(0 < r["stages/sample_share"] <= 1 for r in rows)
     if name == "aper":
