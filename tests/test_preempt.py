@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import train
 from support.checkpoint import checkpoints
 from tests.test_reliability import ENV, MODEL, REPO, TIMING, needs_model
 
