@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -58,6 +59,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="largest mean |behaviour − trainer| log-prob of fresh tokens")
     ap.add_argument("--max-grad-norm-diff", type=float, default=0.01,
                     help="largest relative difference of the gradient norm from the reference's")
+    ap.add_argument("--lora", type=int, default=0, help="adapters of this rank on a frozen bf16 base "
+                    "(one process, no FSDP; (e) then checks no reference gradient norm)")
+    ap.add_argument("--json", help="also write every figure measured to this JSON file")
     ap.add_argument("--skip-torchrun", action="store_true", help="leave out check (a)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU tests
     return ap.parse_args(argv)
@@ -68,18 +72,52 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not a.allow_cpu:
         print("gpu_check: no GPU is visible (torch.cuda.is_available() is False); run it on the GPU machine")
         return 2
-    from memory_plan import SHAPES
-
-    shape = SHAPES[a.shape] if not a.path else None
+    shape = shape_of(a.shape) if not a.path else None
     if shape is not None and a.vocab:
         shape = dataclasses.replace(shape, vocab=a.vocab)
     name = f"{a.shape.replace('/', '_')}_{shape.vocab}" if shape else "model"
     work = Path("/tmp") / f"gpu_check_{name}"
     path = a.path or make_random_model(shape, work / "model")
-    failures = [] if a.skip_torchrun else distributed_check(path, work, a)
-    failures += in_process_checks(path, shape, a)
+    REPORT.update(shape=a.shape if shape else path, lora_rank=a.lora, prompts=a.prompts,
+                  group_size=a.group_size, prompt_tokens=a.prompt_tokens,
+                  max_new_tokens=a.max_new_tokens)
+    failures = []
+    try:
+        if not a.skip_torchrun:
+            failures += distributed_check(path, work, a)
+        failures += in_process_checks(path, shape, a)
+    finally:
+        REPORT["failures"] = failures
+        if a.json:
+            Path(a.json).write_text(json.dumps(finite(REPORT), indent=1) + "\n")
     print("gpu_check: OK" if not failures else f"gpu_check: FAILED ({'; '.join(failures)})")
     return 1 if failures else 0
+
+
+REPORT: dict = {}
+"""Every figure the checks measure, by check: what --json writes."""
+
+
+def finite(x):
+    """`x` with NaN and infinite floats as None, so the JSON is strict."""
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+
+def shape_of(name: str):
+    """A shape of bench/memory_plan.SHAPES by its model id, or `dry`: a toy one (0.1 M parameters)
+    for bench/gpu_run.py --dry-run on a CPU."""
+    from memory_plan import SHAPES, Shape
+
+    if name == "dry":
+        return Shape(64, 2, 4, 2, 16, 128, 512, True, True)
+    return SHAPES[name]
 
 
 BASE = str(REPO / "configs" / "papers" / "gpu_base.yaml")
@@ -88,7 +126,8 @@ BASE = str(REPO / "configs" / "papers" / "gpu_base.yaml")
 def run_args(path: str, a: argparse.Namespace) -> list[str]:
     """Overrides of configs/papers/gpu_base.yaml for every check: FSDP, this model, few rows."""
     n = a.prompts * a.group_size
-    return [f"--model.path={path}", "--model.parallel=fsdp", "--optim.lr=1e-6",
+    lora = [f"--model.lora.rank={a.lora}", "--model.parallel=ddp"] if a.lora else []
+    return [f"--model.path={path}", "--model.parallel=fsdp", *lora, "--optim.lr=1e-6",
             f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group_size}",
             f"--rollout.batch_size={n}", f"--rollout.gen_batch_size={n}",
             f"--data.max_prompt_tokens={a.prompt_tokens}"]
@@ -122,6 +161,8 @@ def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]
     lines = (out / "metrics.jsonl").read_text().splitlines()
     if len(lines) != 3 or "rollout/logp_gap_mean" not in lines[-1]:
         failures.append("(a) metrics.jsonl lacks steps or the log-prob gap")
+    REPORT["torchrun"] = {"metric_lines": len(lines), "checkpoints": checkpoints,
+                          "seconds": time.time() - t0, "final_dtype": str(next(model.parameters()).dtype)}
     print(f"(a) torchrun, FSDP at world size 1: 2 steps, resumed to 3 ({len(lines)} metric lines), "
           f"checkpoints {checkpoints}, final/ loads ({type(model).__name__}, "
           f"{next(model.parameters()).dtype}) in {time.time() - t0:.0f} s")
@@ -134,11 +175,13 @@ def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
 
     from config import load_config
     from support.models import load_policy
+    from support.parallel import backend_map
 
     cuda = torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    # the trainer's map: NCCL for device tensors, gloo for its host-tensor collectives
+    dist.init_process_group(backend_map("cuda" if cuda else "cpu"), rank=0, world_size=1)
     device = torch.device("cuda" if cuda else "cpu")
     cfg = load_config(BASE, run_args(path, a))
     model, policy, tok, _, compute = load_policy(cfg, path, device, 1)
@@ -147,6 +190,7 @@ def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
     firsts = range(0, len(batch), a.group_size)  # one row per prompt
     engines(path, [batch.tokens[i, : batch.prompt_len[i]].tolist() for i in firsts], a, device)
     failures += update_checks(cfg, model, policy, compute, device, batch, path, a, peaks)
+    failures += chunked_head_check(model, compute, device, batch, a)
     if shape is not None and cuda:
         failures += memory_check(cfg, shape, peaks, a)
     dist.destroy_process_group()
@@ -156,6 +200,7 @@ def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
 def generation_check(model, tok, cfg, compute, a, peaks: dict):
     """(b): one generation phase; returns (rollouts, failures), the phase's peak in `peaks`."""
     from rollout import generate
+    from support.models import hf_module
     from support.parallel import generation
 
     g = torch.Generator().manual_seed(0)
@@ -169,7 +214,7 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
     def keep_cache(module, args, kwargs):
         caches.append(kwargs.get("cache", kwargs.get("past_key_values")))  # (5.24 renamed it)
 
-    hook = model.register_forward_pre_hook(keep_cache, with_kwargs=True)
+    hook = hf_module(model).register_forward_pre_hook(keep_cache, with_kwargs=True)
     reset_peak()
     with generation(model, compute):
         sync()
@@ -182,6 +227,10 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
     hook.remove()
     kv = caches[-1].layers[0].keys.dtype if caches and caches[-1] is not None else None
     useful, padded = int(ro.completion_len.sum()), len(ro) * int(ro.completion_len.max())
+    REPORT["generation"] = {"useful_tokens_per_s": useful / seconds,
+                            "padded_tokens_per_s": padded / seconds, "rows": len(ro),
+                            "useful_tokens": useful, "seconds": seconds,
+                            "all_gathers_inside_generate": len(gathers), "kv_cache": str(kv)}
     print(f"(b) generation: {useful / seconds:.0f} useful tokens/s, {padded / seconds:.0f} padded "
           f"tokens/s ({len(ro)} rows, prompts of {a.prompt_tokens}); all-gathers inside generate: "
           f"{len(gathers)}; KV cache {kv}")
@@ -207,20 +256,26 @@ def engines(path: str, prompts: list, a, device: torch.device) -> None:
 
 @contextlib.contextmanager
 def counting_all_gathers(counter: list):
-    """Count FSDP2's all-gathers (dist.all_gather_single, looked up at each call) while inside."""
+    """Count FSDP2's all-gathers while inside: dist.all_gather_single (torch 2.13) or
+    all_gather_into_tensor (before), looked up at each call."""
     import torch.distributed as dist
 
-    real = dist.all_gather_single
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
 
-    def counted(*args, **kwargs):
-        counter.append(1)
-        return real(*args, **kwargs)
+    def counting(name):
+        def counted(*args, **kwargs):
+            counter.append(name)
+            return real[name](*args, **kwargs)
+        return counted
 
-    dist.all_gather_single = counted
+    for name in names:
+        setattr(dist, name, counting(name))
     try:
         yield
     finally:
-        dist.all_gather_single = real
+        for name in names:
+            setattr(dist, name, real[name])
 
 
 def gap_stats(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, cfg) -> dict:
@@ -263,8 +318,15 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     tps = int(batch.seq_len.sum()) / (time.time() - t0)
     hit = sum(int(((local(params[i].detach()) != before[i]) & m).sum()) for i, m in live.items())
     moved = hit / max(1, sum(int(m.sum()) for m in live.values()))
-    ref_norm = reference_grad_norm(cfg, path, batch, device)
+    ref_norm = math.nan if a.lora else reference_grad_norm(cfg, path, batch, device)
     rel, gap = abs(metrics["grad_norm"] / ref_norm - 1), metrics["rollout/logp_gap_mean"]
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    REPORT["gap"] = {"training_forward_mean": gap, "training_forward_max":
+                     metrics["rollout/logp_gap_max"], **{f"no_grad_{k}": v for k, v in stats.items()}}
+    REPORT["update"] = {"tokens": int(batch.seq_len.sum()), "tokens_per_s": tps,
+                        "params": sum(p.numel() for p in params), "trained_params": trained,
+                        "moved_frac": moved, "grad_norm": metrics["grad_norm"],
+                        "reference_grad_norm": ref_norm, **mfu_figures(model, tps, a)}
     print(f"(c) |behaviour − trainer| log-prob of fresh tokens, training forward: mean {gap:.4f} "
           f"(bound {a.max_gap_mean}), max {metrics['rollout/logp_gap_max']:.4f}; no-grad pass: "
           f"mean "
@@ -276,8 +338,53 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
           f"need ≤ {100 * a.max_grad_norm_diff:g} %)")
     failures = [f"(c) mean gap {gap:.4f} > {a.max_gap_mean}"] * (not gap <= a.max_gap_mean)
     failures += [f"(e) moved {100 * moved:.2f} % < 99 %"] * (moved < 0.99)
-    off = rel > a.max_grad_norm_diff
+    off = rel > a.max_grad_norm_diff  # (NaN under LoRA: no reference)
     return failures + [f"(e) grad norm {100 * rel:.2f} % off the reference"] * off
+
+
+def chunked_head_check(model, compute, device, batch, a, rows: int = 4) -> list[str]:
+    """(f): the chunked head's completion log-probs (support/logprobs.py) against the whole-logits
+    path (float32 (rows, L, V) logits, then log-softmax) on the first `rows` rows, each with its
+    backward: the largest |difference|, and each path's peak memory and time."""
+    import torch.nn.functional as F
+
+    from support.logprobs import completion_logprobs
+
+    tokens = batch.tokens[:rows].to(device)  # (b, L)
+    prompt_len, seq_len = batch.prompt_len[:rows].to(device), batch.seq_len[:rows].to(device)
+    ar = torch.arange(tokens.shape[1], device=device)
+    mask = (ar[None] >= prompt_len[:, None]) & (ar[None] < seq_len[:, None])  # (b, L) completions
+    attention = (ar[None] < seq_len[:, None]).long()
+    found = {}
+    for path in ("chunked", "whole"):
+        model.zero_grad(set_to_none=True)
+        reset_peak()
+        sync()
+        t0 = time.time()
+        with compute:
+            if path == "chunked":
+                logp = completion_logprobs(model, tokens, prompt_len, seq_len, 1.0,
+                                           share_prompt=False)[0]
+            else:
+                logits = model(input_ids=tokens, attention_mask=attention).logits  # (b, L, V)
+                picked = logits[:, :-1].float().log_softmax(-1).gather(2, tokens[:, 1:, None])
+                logp = F.pad(picked[..., 0], (1, 0))  # (b, L): position t−1 predicts token t
+                del logits
+        logp[mask].sum().backward()
+        sync()
+        found[path] = (logp.detach()[mask], time.time() - t0, peak_bytes())
+    model.zero_grad(set_to_none=True)
+    diff = (found["chunked"][0] - found["whole"][0]).abs().max().item()
+    REPORT["chunked_head"] = {"rows": len(tokens), "tokens": int(seq_len.sum()),
+                              "max_abs_diff": diff}
+    for path, (_, seconds, peak) in found.items():
+        REPORT["chunked_head"][path] = {"seconds": seconds, "peak_gb": peak / 1e9}
+    print(f"(f) chunked head vs whole logits, {len(tokens)} rows with backward: max |Δ log-prob| "
+          f"{diff:.2e}; peak {found['chunked'][2] / 1e9:.2f} vs {found['whole'][2] / 1e9:.2f} GB; "
+          f"{found['chunked'][1]:.2f} vs {found['whole'][1]:.2f} s")
+    if not diff <= 1e-3:
+        return [f"(f) the chunked head differs from whole logits by {diff:.2e}"]
+    return []
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -307,15 +414,18 @@ def memory_check(cfg, shape, peaks: dict, a) -> list[str]:
     from memory_plan import estimate
 
     o = cfg.optim
-    e = estimate(shape, gpus=1, fsdp=True, micro_batch=o.micro_batch_size,
+    e = estimate(shape, gpus=1, fsdp=not a.lora, micro_batch=o.micro_batch_size,
                  micro_tokens=o.micro_batch_tokens, gen_batch=a.prompts * a.group_size,
                  prompt=a.prompt_tokens, response=a.max_new_tokens,
-                 logprob_batch=o.logprob_batch_size)
+                 logprob_batch=o.logprob_batch_size, lora_rank=a.lora)
     resident = e["weights"] + e["gradients"] + e["optimizer"]
     plan = {"generation": resident + e["generation"], "training": e["peak"]}
     failures = []
+    REPORT["memory"] = {"plan_parts_gb": {k: v / 1e9 for k, v in e.items()}}
     for phase, want in plan.items():
         ratio = peaks[phase] / want - 1
+        REPORT["memory"][phase] = {"measured_gb": peaks[phase] / 1e9, "plan_gb": want / 1e9,
+                                   "ratio": ratio}
         print(f"(d) peak memory, {phase}: {peaks[phase] / 1e9:.2f} GB, memory_plan "
               f"{want / 1e9:.2f} GB "
               f"({100 * ratio:+.1f} %)")
@@ -324,13 +434,22 @@ def memory_check(cfg, shape, peaks: dict, a) -> list[str]:
     return failures
 
 
-def mfu(model, tps: float, a) -> str:
-    if not torch.cuda.is_available():
-        return ""
-    name = torch.cuda.get_device_name()
+def mfu_figures(model, tps: float, a) -> dict:
+    """The update's model FLOP utilisation: 6 × parameters × trained tokens/s ÷ the bf16 peak (the
+    measured one when given; recomputed activations not counted as work)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     n = sum(p.numel() for p in model.parameters())
-    return f", MFU {100 * 6 * n * tps / (peak * 1e12):.1f} % on {name}" if peak else ""
+    if not peak:
+        return {"device": name}
+    return {"device": name, "peak_tflops": peak, "mfu": 6 * n * tps / (peak * 1e12)}
+
+
+def mfu(model, tps: float, a) -> str:
+    r = mfu_figures(model, tps, a)
+    if "mfu" not in r:
+        return ""
+    return f", MFU {100 * r['mfu']:.1f} % on {r['device']}"
 
 
 def sync() -> None:
@@ -348,22 +467,29 @@ def peak_bytes() -> float:
 
 
 def make_random_model(shape, folder: Path) -> str:
-    """A random-init Qwen2 of `shape` (its real vocabulary) with the tiny tokenizer: ids past the
-    tokenizer's 274 decode to nothing, which is all a shape check needs."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """A random-init model of `shape` (its real vocabulary; Qwen3 where the shape has no q/k/v
+    bias, else Qwen2) with the tiny tokenizer: ids past the tokenizer's 274 decode to nothing,
+    which is all a shape check needs. Built in bf16 on the GPU when there is one (seconds, not
+    minutes of CPU initialisation), saved as safetensors."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
     from data.build_tiny_model import build_tokenizer
 
     if not (folder / "config.json").exists():
         tok = build_tokenizer()
-        cfg = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden,
-                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                          num_key_value_heads=shape.kv_heads,
-                          intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
-                          max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
-                          eos_token_id=tok.eos_token_id)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+        kind = Qwen2Config if shape.qkv_bias else Qwen3Config
+        cfg = kind(vocab_size=shape.vocab, hidden_size=shape.hidden, head_dim=shape.head_dim,
+                   num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                   num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate,
+                   tie_word_embeddings=shape.tied, max_position_embeddings=32768,
+                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        cuda = torch.cuda.is_available()
+        dtype = torch.bfloat16 if cuda else torch.float32
+        with torch.device("cuda" if cuda else "cpu"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model.save_pretrained(folder)
         tok.save_pretrained(folder)
+        del model
     return str(folder)
 
 

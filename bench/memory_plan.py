@@ -84,6 +84,7 @@ class Shape:
 
 SHAPES = {  # from the models' public config.json files
     "Qwen/Qwen2.5-0.5B": Shape(896, 24, 14, 2, 64, 4864, 151936, True, True),
+    "Qwen/Qwen2.5-1.5B": Shape(1536, 28, 12, 2, 128, 8960, 151936, True, True),
     "Qwen/Qwen3-4B-Base": Shape(2560, 36, 32, 8, 128, 9728, 151936, True, False),
     "Qwen/Qwen2.5-7B": Shape(3584, 28, 28, 4, 128, 18944, 152064, False, True),
     "Qwen/Qwen2.5-Math-7B": Shape(3584, 28, 28, 4, 128, 18944, 152064, False, True),

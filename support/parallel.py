@@ -142,13 +142,20 @@ def generation(model, compute):
 def _reshard_setting(module) -> tuple:
     """FSDP2's reshard-after-forward state of `module` (its API sets it but cannot read it)."""
     state = module._get_fsdp_state()
-    meshes = [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    meshes = [g.post_forward_mesh_info for g in _param_groups(state)]
     return state._auto_reshard_after_forward, meshes
 
 
 def _restore_reshard_setting(module, setting: tuple) -> None:
     state = module._get_fsdp_state()
     state._auto_reshard_after_forward = setting[0]
-    for group, mesh_info in zip(state._fsdp_param_groups, setting[1]):
+    for group, mesh_info in zip(_param_groups(state), setting[1]):
         group.post_forward_mesh_info = mesh_info
+
+
+def _param_groups(state) -> list:
+    """A module's FSDP parameter groups: a list from torch 2.13, one group (or None) before."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [g for g in [state._fsdp_param_group] if g is not None]
 

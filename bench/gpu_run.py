@@ -1,0 +1,375 @@
+"""The run on a real GPU (issue #41): every CUDA path of a paper config through one H100 or H200 in
+about 7 minutes, one step after another, cheapest first, each under its own time cap, so that a
+slow step cannot eat the rest. Writes <out>/gpu_run.json (written again after every step) and
+<out>/gpu_run.log (every child's whole output).
+
+  python bench/gpu_run.py --out docs/gpu                 # on the GPU machine
+  python bench/gpu_run.py --dry-run --out /tmp/gpu_dry   # every step on a CPU at toy sizes (~2 min)
+  python bench/gpu_run.py --steps tiny resume            # some steps
+
+Steps:
+  env     GPU name and memory, torch and transformers versions, a bf16 matmul's TFLOP/s (the peak
+          that the MFU divides by).
+  check   `torchrun --nproc_per_node=1`: the process group's backend map (cuda:nccl beside cpu:gloo),
+          an all-reduce of a host and a device tensor, an FSDP2 root on one rank taking an AdamW
+          step; then bench/gpu_check.py at Qwen2.5-0.5B's shape (train.py under torchrun with FSDP,
+          two steps and a --resume, generation, the log-prob gap, the update, the chunked head).
+  tiny    the default tiny run (configs/tiny.yaml, 60 steps) on CUDA: its gain (needs +20 pp), its
+          wall time.
+  resume  the tiny run SIGKILLed after its step-4 checkpoint and resumed to step 8, against an
+          uninterrupted 8-step run: final weights and metrics bit-identical? If not, an
+          uninterrupted twin says whether plain runs repeat, and the same pair under
+          torch.use_deterministic_algorithms says whether that restores it, and at what cost.
+  full    full fine-tuning at Qwen2.5-1.5B's shape (random weights, bf16 compute, float32 masters,
+          FSDP2 on one GPU, micro_batch_tokens packing, the chunked head): one step of 16 prompts
+          x 8 (512 + 1,024 tokens). Peak memory against bench/memory_plan.py, HF generate tokens/s,
+          the update's MFU, the sampler-vs-trainer log-prob gap, chunked head vs whole logits.
+  lora    rank-32 LoRA at Qwen3-4B-Base's shape (bf16 base), one step; peak memory against the
+          LoRA plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CHECK = [sys.executable, str(REPO / "bench" / "gpu_check.py")]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+TINY = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
+        "--wandb.mode=disabled"]
+CAPS = {"env": 60, "check": 180, "tiny": 150, "resume": 150, "full": 240, "lora": 180}
+"""Seconds each step may take on the GPU (a dry run gets the same)."""
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1",
+       "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/gpu", help="folder of gpu_run.json and gpu_run.log")
+    ap.add_argument("--work", default="/tmp/gpu_run", help="scratch folder (models, runs)")
+    ap.add_argument("--dry-run", action="store_true", help="every step on a CPU at toy sizes")
+    ap.add_argument("--steps", nargs="*", default=list(CAPS), choices=list(CAPS))
+    ap.add_argument("--budget", type=float, default=550, help="seconds for all steps together")
+    ap.add_argument("--rank-check", action="store_true", help=argparse.SUPPRESS)  # torchrun's child
+    return ap.parse_args(argv)
+
+
+class Report:
+    """The JSON and the log, both rewritten as the run goes, so a run cut short keeps its figures."""
+
+    def __init__(self, out: Path, dry: bool):
+        out.mkdir(parents=True, exist_ok=True)
+        self.json, self.log = out / "gpu_run.json", out / "gpu_run.log"
+        self.log.write_text("")
+        self.data = {"dry_run": dry, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        with self.log.open("a") as f:
+            f.write(text + "\n")
+
+    def step(self, name: str, result: dict) -> None:
+        self.data["steps"][name] = result
+        self.json.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+
+
+def child(cmd: list[str], report: Report, timeout: float, env: dict | None = None) -> tuple:
+    """Run `cmd` to its end or `timeout`; its whole output goes to the log. (exit code, output,
+    seconds); the exit code is None when the cap stopped it."""
+    report.say(f"$ {' '.join(cmd)}")
+    t0 = time.time()
+    p = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        code = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        code = None
+    with report.log.open("a") as f:
+        f.write(out)
+    return code, out, time.time() - t0
+
+
+# ------------------------------------------------------------------------------------------- env
+def env_step(a, report: Report, cap: float) -> dict:
+    import torch
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    n = 256 if a.dry_run else 8192
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):  # warm-up
+        x @ y
+    sync(device)
+    t0 = time.time()
+    for _ in range(10):
+        x @ y
+    sync(device)
+    tflops = 10 * 2 * n**3 / (time.time() - t0) / 1e12
+    r = {"gpu": torch.cuda.get_device_name() if cuda else "none (CPU dry run)",
+         "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 0,
+         "torch": torch.__version__, "cuda": torch.version.cuda,
+         "transformers": transformers.__version__, "python": platform.python_version(),
+         "bf16_matmul_tflops": tflops, "matmul_size": n}
+    report.data["device"] = r["gpu"]
+    report.data["peak_tflops"] = tflops
+    report.say(f"env: {r['gpu']}, {r['gpu_memory_gb']:.0f} GB, torch {r['torch']} (CUDA "
+               f"{r['cuda']}), transformers {r['transformers']}; bf16 {n}^3 matmul "
+               f"{tflops:.0f} TFLOP/s")
+    return {"status": "passed", **r}
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------- check
+def rank_check() -> None:
+    """Under torchrun --nproc_per_node=1: support/parallel.init's process group, an all-reduce of a
+    host and a device tensor, and an FSDP2 root (fully_shard) taking an AdamW step. One JSON line."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from support import parallel
+
+    parallel.init()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    host, dev = torch.ones(3), torch.ones(3, device=device)
+    dist.all_reduce(host)
+    dist.all_reduce(dev)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    fully_shard(model.to(device))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = model[0].weight.full_tensor().clone()
+    model(torch.randn(8, 16, device=device)).square().mean().backward()
+    optimizer.step()
+    moved = bool((model[0].weight.full_tensor() != before).any())
+    print("RANK_CHECK " + json.dumps({
+        "backend_map": dist.get_backend_config(), "device": str(device),
+        "all_reduce_host": host.tolist(), "all_reduce_device": dev.tolist(),
+        "fsdp_param": type(model[0].weight).__name__, "fsdp_step_moved": moved}), flush=True)
+    dist.destroy_process_group()
+
+
+def check_step(a, report: Report, cap: float) -> dict:
+    t0 = time.time()
+    code, out, _ = child([*TORCHRUN, str(Path(__file__)), "--rank-check"], report, cap / 3)
+    line = [ln for ln in out.splitlines() if ln.startswith("RANK_CHECK ")]
+    ranks = json.loads(line[-1].split(" ", 1)[1]) if line else {"error": tail(out)}
+    want = "cuda:nccl" if not a.dry_run else "cpu:gloo"
+    ok = code == 0 and want in ranks.get("backend_map", "") and ranks.get("fsdp_step_moved")
+    report.say(f"check: torchrun's rank: {ranks}")
+    sizes = ["--shape", "dry", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
+             "--max-new-tokens", "12", "--max-grad-norm-diff", "0.1", "--allow-cpu"]
+    if not a.dry_run:
+        sizes = ["--shape", "Qwen/Qwen2.5-0.5B", "--prompts", "4", "--group-size", "8",
+                 "--prompt-tokens", "256", "--max-new-tokens", "256"]
+    found = gpu_check(a, report, sizes, cap - (time.time() - t0), "check")
+    passed = ok and found["status"] == "passed"
+    return {**found, "status": "passed" if passed else "failed", "rank_check": ranks}
+
+
+def gpu_check(a, report: Report, sizes: list[str], timeout: float, name: str) -> dict:
+    """bench/gpu_check.py with `sizes`, its figures read from its --json."""
+    figures = Path(a.work) / f"{name}.json"
+    figures.unlink(missing_ok=True)
+    peak = ["--peak-tflops", str(report.data["peak_tflops"])] * ("peak_tflops" in report.data)
+    code, out, seconds = child([*CHECK, *sizes, *peak, "--json", str(figures)], report, timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith(("(", "gpu_check:"))]
+    for ln in lines:
+        report.say(f"{name}: {ln}")
+    r = json.loads(figures.read_text()) if figures.exists() else {}
+    status = {0: "passed", None: "timeout"}.get(code, "failed")
+    return {"status": status, "exit": code, "seconds": seconds, "lines": lines, **r,
+            "tail": tail(out) if code else ""}
+
+
+def tail(out: str, n: int = 6) -> str:
+    return "\n".join(out.strip().splitlines()[-n:])
+
+
+# ------------------------------------------------------------------------------------------ tiny
+def tiny_step(a, report: Report, cap: float) -> dict:
+    run = Path(a.work) / "tiny"
+    short = ["--max_steps=4", "--eval.every=2", "--eval.n=16"] * a.dry_run
+    code, out, seconds = child([*TINY, f"--out_dir={run}", "--overwrite", *short], report, cap)
+    summary = run / "summary.json"
+    if code != 0 or not summary.exists():
+        return {"status": "timeout" if code is None else "failed", "exit": code, "tail": tail(out)}
+    s = json.loads(summary.read_text())
+    gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
+    report.say(f"tiny: {s['steps']} steps on {report.data['device']}, eval {s['eval_accuracy_initial']:.3f} -> "
+               f"{s['eval_accuracy_final']:.3f} ({100 * gain:+.1f} pp) in {s['wall_seconds']:.0f} s "
+               f"of training ({seconds:.0f} s with start-up)")
+    passed = gain >= 0.20 or a.dry_run
+    return {"status": "passed" if passed else "failed", "steps": s["steps"], "gain": gain,
+            "eval_initial": s["eval_accuracy_initial"], "eval_final": s["eval_accuracy_final"],
+            "wall_seconds": s["wall_seconds"], "process_seconds": seconds,
+            "generated_tokens": s["generated_tokens"]}
+
+
+# ---------------------------------------------------------------------------------------- resume
+DETERMINISTIC = ("import runpy, sys, torch; "
+                 "torch.use_deterministic_algorithms(True, warn_only=True); "
+                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def resume_step(a, report: Report, cap: float) -> dict:
+    t0 = time.time()
+    r = {"status": "passed"}
+    for mode in ("default", "deterministic"):
+        left = cap - (time.time() - t0)
+        pair = kill_and_resume(a, report, mode, left)
+        r[mode] = pair
+        report.say(f"resume ({mode}): {pair}")
+        if pair.get("identical") or "error" in pair:
+            break
+    last = r.get("deterministic", r["default"])
+    if not last.get("identical"):
+        r["status"] = "failed"
+    return r
+
+
+def tiny_cmd(mode: str) -> tuple[list[str], dict]:
+    if mode == "default":
+        return TINY, ENV
+    env = {**ENV, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    return [sys.executable, "-c", DETERMINISTIC, *TINY[1:]], env
+
+
+def kill_and_resume(a, report: Report, mode: str, budget: float) -> dict:
+    """An uninterrupted 8-step run, the same killed (SIGKILL) after step 5 and resumed from its
+    step-4 checkpoint, and, when they differ in the default mode, a second uninterrupted run."""
+    cmd, env = tiny_cmd(mode)
+    steps = ["--max_steps=8", "--checkpoint.every=4", "--eval.every=0"]
+    if a.dry_run:
+        steps += ["--rollout.batch_size=32"]
+    base = Path(a.work) / f"resume_{mode}"
+    t0 = time.time()
+    code, out, plain = child([*cmd, *steps, f"--out_dir={base}_plain", "--overwrite"], report,
+                             budget / 3, env)
+    if code != 0:
+        return {"error": f"the uninterrupted run exited {code}: {tail(out, 2)}"}
+    killed = base.with_name(base.name + "_killed")
+    at = sigkill_after(cmd + steps + [f"--out_dir={killed}", "--overwrite"], killed, 5, env,
+                       budget / 3)
+    left = budget - (time.time() - t0)
+    code, out, _ = child([*cmd, *steps, f"--out_dir={killed}", "--resume"], report, left / 2, env)
+    if code != 0:
+        return {"error": f"--resume exited {code}: {tail(out, 2)}", "killed_after_lines": at}
+    want, got = fingerprint(Path(f"{base}_plain")), fingerprint(killed)
+    r = {"identical": want == got, "weights_identical": want[0] == got[0],
+         "metrics_identical": want[1] == got[1], "killed_after_lines": at,
+         "plain_seconds": plain}
+    if not r["identical"] and mode == "default":
+        twin = base.with_name(base.name + "_twin")
+        code, _, _ = child([*cmd, *steps, f"--out_dir={twin}", "--overwrite"], report,
+                           max(1, budget - (time.time() - t0)), env)
+        r["plain_runs_repeat"] = code == 0 and want == fingerprint(twin)
+    return r
+
+
+def sigkill_after(cmd: list[str], out_dir: Path, lines: int, env: dict, timeout: float) -> int:
+    """Start `cmd` and SIGKILL it once its metrics.jsonl has `lines` lines; the lines it had."""
+    metrics = out_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    t0 = time.time()
+    while p.poll() is None and time.time() - t0 < timeout:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
+            break
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def fingerprint(run: Path) -> tuple[str, str]:
+    """(hash of the final weights, hash of the metrics without clocks)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from fingerprint import digest
+
+    metrics, weights = digest(run)
+    return weights, metrics
+
+
+# ------------------------------------------------------------------------------------ full, lora
+def full_step(a, report: Report, cap: float) -> dict:
+    sizes = ["--shape", "Qwen/Qwen2.5-1.5B", "--prompts", "16", "--group-size", "8",
+             "--prompt-tokens", "512", "--max-new-tokens", "1024", "--skip-torchrun"]
+    if a.dry_run:
+        sizes = ["--shape", "dry", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
+                 "--max-new-tokens", "12", "--max-grad-norm-diff", "0.1", "--allow-cpu",
+                 "--skip-torchrun"]
+    return gpu_check(a, report, sizes, cap, "full")
+
+
+def lora_step(a, report: Report, cap: float) -> dict:
+    sizes = ["--shape", "Qwen/Qwen3-4B-Base", "--lora", "32", "--prompts", "8", "--group-size",
+             "8", "--prompt-tokens", "512", "--max-new-tokens", "512", "--skip-torchrun"]
+    if a.dry_run:
+        sizes = ["--shape", "dry", "--lora", "4", "--prompts", "2", "--group-size", "2",
+                 "--prompt-tokens", "16", "--max-new-tokens", "12", "--allow-cpu",
+                 "--skip-torchrun"]
+    return gpu_check(a, report, sizes, cap, "lora")
+
+
+STEPS = {"env": env_step, "check": check_step, "tiny": tiny_step, "resume": resume_step,
+         "full": full_step, "lora": lora_step}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.rank_check:
+        rank_check()
+        return 0
+    import torch
+
+    if not torch.cuda.is_available() and not a.dry_run:
+        print("gpu_run: no GPU is visible; on a CPU run it with --dry-run")
+        return 2
+    report = Report(Path(a.out), a.dry_run)
+    Path(a.work).mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    for name in a.steps:
+        left = a.budget - (time.time() - t0)
+        cap = min(CAPS[name], left)
+        if cap < 20:
+            report.step(name, {"status": "not run", "why": f"{left:.0f} s of the budget left"})
+            continue
+        s0 = time.time()
+        try:
+            result = STEPS[name](a, report, cap)
+        except Exception as e:  # one step's failure is its result; the next steps still run
+            result = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        result["step_seconds"] = time.time() - s0
+        report.say(f"== {name}: {result['status']} in {result['step_seconds']:.0f} s")
+        report.step(name, result)
+    statuses = {n: s["status"] for n, s in report.data["steps"].items()}
+    report.data["total_seconds"] = time.time() - t0
+    report.step("env", report.data["steps"].get("env", {"status": "not run"}))
+    report.say(f"gpu_run: {statuses} in {time.time() - t0:.0f} s")
+    return 0 if all(s == "passed" for s in statuses.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
