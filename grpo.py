@@ -68,7 +68,7 @@ from torch import Tensor
 
 from support import parallel
 from support.gate import Gate
-from support.logprobs import _logprobs, micro_batches, no_grad_logprobs
+from support.logprobs import _logprobs, micro_batches, no_grad_logprobs, train_mode
 from support.parallel import MAX, all_ranks
 from support.util import timed
 
@@ -358,7 +358,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
         n_micro = int(all_ranks(max(1, len(micro)), MAX))
         optimizer.zero_grad(set_to_none=True)
         sums, hi, lo = {}, torch.tensor(-math.inf), torch.tensor(math.inf)
-        with timed(times, "forward_backward"):
+        with timed(times, "forward_backward"), train_mode(policy):  # (checkpointing needs it)
             for j in range(n_micro):
                 real = j < len(micro)
                 idx = micro[j] if real else torch.arange(1)  # a stand-in of loss weight 0

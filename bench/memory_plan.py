@@ -21,15 +21,19 @@ The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N 
   logprob pass the no-grad passes for π at the start of a step (optim.minibatches > 1) and the reference (beta > 0):
                b_lp·T·H·8a + 2·4·C (+ 4·V·H when a = 2), b_lp = optim.logprob_batch_size
   generation   KV cache  gen_batch·T·L·2·n_kv·d·2 (bf16), plus under fsdp the full bf16 weights 2·P, gathered once
-               for the whole generation phase
+               for the whole generation phase, plus (when a = 2) the float32 copy of the output layer
+               that each decoding step's float32 logits are computed with (4·V·H)
   optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
 LoRA (model.lora.rank r > 0; P_A = r · Σ (fan-in + fan-out) over the linear layers of every block):
   weights a·P (the frozen base, in the compute dtype) + 4·P_A; gradients 4·P_A; optimizer 8·P_A;
   optimizer step 4·P_A; logits 2·4·C (+ 4·V·H when a = 2); no-grad passes, activations and
   generation as above.
-Training, the no-grad passes, generation and the optimizer step do not overlap in time: the peak is the resident training state
-(weights, gradients, optimizer) plus the largest of the four phases (the optimizer step is one). Not counted: the CUDA context and allocator
-fragmentation (plan 2-4 GB of headroom per GPU); under LoRA with optim.epochs > 1, the gate's
+Training, the no-grad passes, generation and the optimizer step do not overlap in time. Weights and AdamW's state are
+resident; gradients live from the first backward of an update to its end (set to None there), so only the training phase and
+the optimizer step hold them: peak = weights + optimizer + max(gradients + activations + logits, gradients + optimizer step,
+no-grad pass, generation). Before the first optimizer step AdamW has no state yet: `first_step_peak` (what bench/gpu_check.py
+measures) = weights + max(gradients + activations + logits, gradients + optimizer + optimizer step, no-grad pass,
+generation). Not counted: the CUDA context and allocator fragmentation (plan 2-4 GB of headroom per GPU); under LoRA with optim.epochs > 1, the gate's
 float32 gradient of the frozen output layer and its sum (2·4·V·H; no paper config sets epochs).
 --measure runs each configuration in a child process of its own, on one thread, with glibc's
 mmap threshold fixed at 128 KiB: by default glibc raises that threshold up to 32 MiB as blocks are
@@ -115,12 +119,15 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
         "activations": (s.layers * bT * s.hidden * a + layer) if checkpointing else s.layers * layer / 2,
         "logits": 2 * 4 * HEAD_CHUNK + 4 * s.vocab * s.hidden * (not lora_rank) + upcast,
         "logprob_pass": (logprob_batch * T * s.hidden * a * 8 + 2 * 4 * HEAD_CHUNK + upcast) * bool(logprob_batch),
-        "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2 + (2 * P if fsdp else 0),
+        "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2 + (2 * P if fsdp else 0)
+        + upcast,
         "optimizer_step": 4 * trained / shard,
     }
-    resident = parts["weights"] + parts["gradients"] + parts["optimizer"]
-    parts["peak"] = resident + max(parts["activations"] + parts["logits"], parts["logprob_pass"], parts["generation"],
-                                   parts["optimizer_step"])
+    w, g, opt = parts["weights"], parts["gradients"], parts["optimizer"]
+    training = g + parts["activations"] + parts["logits"]
+    others = max(parts["logprob_pass"], parts["generation"])
+    parts["peak"] = w + opt + max(training, g + parts["optimizer_step"], others)
+    parts["first_step_peak"] = w + max(training, g + opt + parts["optimizer_step"], others)
     return parts
 
 
@@ -231,7 +238,7 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
     model.config.use_cache = False
     if lora_rank:
         model = lora.add_adapters(model, lora.LoraConfig(rank=lora_rank), seed=0)
-    model.train()
+    model.eval()  # as load_pretrained leaves it: grpo.update_policy trains in train mode
     trained = [p for p in model.parameters() if p.requires_grad]
     n_all, n_trained = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trained)
     print(f"{n_all / 1e6:.1f} M parameters (formula: {s.params() / 1e6:.1f} M + "
@@ -259,7 +266,7 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
     e = estimate(s, gpus=1, fsdp=False, micro_batch=micro_batch, gen_batch=0, prompt=prompt, response=response,
                  act_bytes=4, lora_rank=lora_rank)
     expected = base + e["peak"]
-    print(f"formula: {' + '.join(f'{k} {v / GB:.2f}' for k, v in e.items() if k != 'peak')} GB; "
+    print(f"formula: {' + '.join(f'{k} {v / GB:.2f}' for k, v in e.items() if 'peak' not in k)} GB; "
           f"+ process before the model {base / GB:.2f} GB = {expected / GB:.2f} GB")
     print(f"measured peak RSS {peak / GB:.2f} GB: {100 * (peak / expected - 1):+.1f} % against the formula")
 

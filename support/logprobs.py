@@ -251,6 +251,21 @@ def _logprobs(model, mb, s, device, with_entropy=False):
                                share_prompt=share)
 
 
+@contextmanager
+def train_mode(model):
+    """`model` in train mode while inside (the training forwards and their backward), then as it
+    was. Loaded models stay in eval mode elsewhere (generation, the no-grad passes). HF recomputes
+    activations (model.gradient_checkpointing) only in train mode, and LoRA's adapter dropout acts
+    only then; a checkpoint's own dropout would act too, and the first step's ratio would not be 1
+    (the paper models set none: attention_dropout 0)."""
+    was = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
 def no_grad_logprobs(model, batch, s, compute, device,
                      with_entropy=False) -> tuple[Tensor, Tensor]:
     """(B, L) log-probs (and entropies) of `batch`'s rows under `model`, without gradients,

@@ -362,3 +362,42 @@ def test_compiled_fsdp_policy_runs_whole_rows(fsdp_result):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     fsdp_worker(*sys.argv[2:4])
+
+
+class _Group:
+    def __init__(self, mesh):
+        self.post_forward_mesh_info = mesh
+
+
+class _State:  # FSDP2's per-module state, as each torch names its parameter groups
+    def __init__(self, groups, single: bool):
+        self._auto_reshard_after_forward = True
+        if single:  # torch 2.11 (the GPU machine's): one group, or None
+            self._fsdp_param_group = groups[0] if groups else None
+        else:  # torch 2.13: a list
+            self._fsdp_param_groups = groups
+
+
+class _Sharded:
+    def __init__(self, state):
+        self.state = state
+
+    def _get_fsdp_state(self):
+        return self.state
+
+
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("n_groups", [0, 1])
+def test_reshard_setting_reads_and_restores_either_torchs_parameter_groups(single, n_groups):
+    """Found by bench/gpu_run.py --dry-run under torch 2.11 (the H200 machine's): FSDP2's state
+    holds `_fsdp_param_group` there, `_fsdp_param_groups` from 2.13, and generation under FSDP
+    raised AttributeError. The setting is read and put back on both."""
+    groups = [_Group("mesh") for _ in range(n_groups)]
+    module = _Sharded(_State(groups, single))
+    setting = parallel._reshard_setting(module)
+    assert setting == (True, ["mesh"] * n_groups)
+    module.state._auto_reshard_after_forward = False
+    for g in groups:
+        g.post_forward_mesh_info = None
+    parallel._restore_reshard_setting(module, setting)
+    assert parallel._reshard_setting(module) == setting

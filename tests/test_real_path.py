@@ -6,6 +6,7 @@ hand, that the rest of the suite let through. Its docstring names the regression
   d. aper and group replay evicting a row at age tau_max, one step early
   e. uniform replay drawing the newest rows instead of a uniform subset
   f. the chunked output layer dropping a last, partial chunk of rows
+  g. the update running the loaded model in eval mode, where HF's gradient checkpointing is off
 
 (b, the latency from SIGTERM to the stop during a long generation, is bounded in
 tests/test_preempt.py.)
@@ -273,3 +274,31 @@ def test_chunked_head_keeps_a_last_partial_chunk_in_float32(monkeypatch, share_p
     for a, b in zip(grads, ref_grads, strict=True):
         error = ((a - b).norm() / b.norm()).item()
         assert error <= 1e-4, f"a gradient {error:.1e} off (relative)"
+
+
+# ------------------------------------ g. gradient checkpointing acts in the training backward
+
+
+@needs_model
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_gradient_checkpointing_recomputes_layers_in_the_training_backward(tmp_path, monkeypatch,
+                                                                            checkpointing):
+    """Regression guarded (found on the H200, docs/gpu/): the loaded model stays in eval mode
+    through the update, and HF recomputes activations only in train mode, so
+    model.gradient_checkpointing silently kept every layer's activations (+96 % training memory
+    at Qwen2.5-1.5B's shape). Through train.py: with it on, each decoder layer runs again inside
+    the backward; with it off, never."""
+    replayed = []
+    load = train.load_run_model
+
+    def counting(*args, **kwargs):
+        device, (model, *rest) = load(*args, **kwargs)
+        mlp = next(m for name, m in model.named_modules() if name.endswith("layers.0.mlp"))
+        in_backward = torch._C._current_graph_task_id  # -1 outside an autograd backward
+        mlp.register_forward_pre_hook(lambda *_: replayed.append(in_backward() != -1))
+        return device, (model, *rest)
+
+    monkeypatch.setattr(train, "load_run_model", counting)
+    run_metrics(tmp_path / "run", "--max_steps=1", f"--model.gradient_checkpointing={checkpointing}")
+    assert len(replayed) > 0
+    assert any(replayed) == checkpointing, f"{sum(replayed)} of {len(replayed)} calls in backward"

@@ -413,6 +413,27 @@ def test_gpu_check_logic_on_the_cpu():
     assert r.returncode == 1 and "gpu_check: FAILED ((c) mean gap" in r.stdout
 
 
+def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
+    """bench/gpu_run.py --dry-run (#41): every step of the GPU script at toy sizes on this CPU,
+    proven before a GPU's minutes are spent: its JSON has each step passed, with the figures the
+    GPU run reports (the tiny run's gain, the resume's identical weights, the update's tokens/s,
+    the chunked head's difference)."""
+    cmd = [sys.executable, "bench/gpu_run.py", "--dry-run", "--out", str(tmp_path / "out"),
+           "--work", str(tmp_path / "work")]
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900,
+                       check=False)
+    report = json.loads((tmp_path / "out" / "gpu_run.json").read_text())
+    steps = report["steps"]
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert [steps[n]["status"] for n in steps] == ["passed"] * 6
+    assert steps["resume"]["default"]["identical"] and "gain" in steps["tiny"]
+    assert steps["full"]["update"]["tokens_per_s"] > 0
+    assert steps["lora"]["update"]["trained_params"] < steps["lora"]["update"]["params"]
+    assert steps["full"]["chunked_head"]["max_abs_diff"] < 1e-4
+    assert "cpu:gloo" in steps["check"]["rank_check"]["backend_map"]
+    assert (tmp_path / "out" / "gpu_run.log").stat().st_size > 0
+
+
 def test_gpu_check_gap_stats_hand_values():
     """(c)'s statistics: |d| mean, p99 and max, and the fraction of ratios e^d outside [0.8, 1.28]."""
     sys.path.insert(0, str(REPO / "bench"))
@@ -425,3 +446,24 @@ def test_gpu_check_gap_stats_hand_values():
     # e^-0.3 = 0.741 < 0.8 and e^0.3 = 1.35 > 1.28 are outside; e^0.1, e^0, e^0.2 = 1.22 inside
     assert stats["outside_clip"] == pytest.approx(2 / 5)
     assert stats["p99"] == pytest.approx(torch.tensor([0.1, 0.3, 0.3, 0.0, 0.2]).quantile(0.99).item())
+
+
+def test_memory_plan_holds_gradients_only_while_training():
+    """bench/memory_plan.py's phases, as the H200 measured them (docs/results.md, "On one GPU"):
+    gradients exist from an update's first backward to its end, so generation's peak holds
+    weights, AdamW state, the KV cache and (bf16 compute) the float32 copy of the output layer;
+    before the first optimizer step AdamW has no state (`first_step_peak`)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from memory_plan import Shape, estimate
+
+    s = Shape(64, 2, 4, 2, 16, 128, 1000, True, True)
+    e = estimate(s, gpus=1, fsdp=False, micro_batch=1, gen_batch=65536, prompt=16, response=48)
+    kv = 65536 * 64 * s.layers * 2 * s.kv_heads * s.head_dim * 2
+    assert e["generation"] == kv + 4 * s.vocab * s.hidden  # bf16: the float32 output layer
+    assert e["peak"] == e["weights"] + e["optimizer"] + e["generation"]
+    assert e["first_step_peak"] == e["weights"] + e["generation"]
+    f32 = estimate(s, gpus=1, fsdp=False, micro_batch=64, gen_batch=0, prompt=16, response=48,
+                   act_bytes=4)
+    training = f32["gradients"] + f32["activations"] + f32["logits"]
+    assert f32["generation"] == 0 and training > f32["gradients"] + f32["optimizer_step"]
+    assert f32["peak"] == f32["weights"] + f32["optimizer"] + training
