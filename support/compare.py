@@ -5,8 +5,11 @@ Usage: python compare.py runs/repro/none-s0 runs/repro/aper-s0 ... --out-dir run
 
 Primary, per run: the area, held-out accuracy averaged over the first `--budget` generated tokens.
 Per arm: its mean, the difference to the baseline, Welch's p, Holm's p over every arm, a verdict
-and the difference its seeds could detect. Secondary: final accuracy (the same tests), tokens and
-steps to the baseline's final accuracy, O1-Pruner's AES, the eval entropy.
+and the difference its seeds could detect at Holm's strictest level. Secondary: final accuracy
+(the same tests); generated tokens to the baseline's final accuracy and to a target below its
+plateau (90 % of its mean gain), each as the ratio of the arm's median to the baseline's with a
+paired bootstrap interval (seeds resampled) and verdicts at 0.5× and 0.3×; steps to the final
+accuracy, O1-Pruner's AES, the eval entropy, tokens and rows trained (the update's compute).
 """
 
 import argparse
@@ -17,7 +20,8 @@ import sys
 from pathlib import Path
 
 from support.compare_io import compare_table, mixed_configs, read_run, write
-from support.stats import aes, bootstrap, detectable, holm, mean, mean_interval, welch_p
+from support.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, paired_ratio,
+                           welch_p)
 from support.util import OneLineParser, flatten
 
 def load_run(path: str | Path) -> dict:
@@ -137,17 +141,21 @@ def positive_number(text: str) -> float:
 
 
 def compare_runs(runs: list[dict], baseline: str, target: float | None,
-                 budget: float | str | None):
+                 budget: float | str | None, gain_fraction: float = 0.9):
     """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy is the
     default target and whose smallest total of generated tokens the default budget: every baseline
     seed then counts (their totals differ by 1-2 %, so their mean would leave about half out).
     budget "shortest": the smallest total of the finished runs (summary.json written), so that
-    every finished run counts."""
+    every finished run counts. The second target, below the plateau the baseline's own seeds
+    cross only near their end: its mean initial accuracy plus `gain_fraction` of its mean gain
+    (each row's `gain_target`)."""
     base = [run for run in runs if run["strategy"] == baseline and run["final"] is not None]
     if not base:
         raise ValueError(f"no run of the baseline {baseline!r} has an eval (--baseline names it)")
     L_b, A_b, T_b = (mean([run[k] for run in base]) for k in ("length", "final", "tokens"))
     target = A_b if target is None else target
+    initial = mean([run["curve"][0][2] for run in base if run["curve"][0][0] == 0])
+    gain_target = initial + gain_fraction * (A_b - initial)
     if budget is None:
         budget = min(run["tokens"] for run in base)
     if budget == "shortest":
@@ -161,6 +169,7 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
         crossing = sustained_crossing(run["curve"], target)
         run["tokens_to_target"] = crossing
         run["tokens_ratio"] = None if crossing is None else crossing / T_b
+        run["tokens_to_gain"] = sustained_crossing(run["curve"], gain_target)
         by_step = [(c[0], c[0], c[2], c[3]) for c in run["curve"]]  # the same rule in steps
         run["steps_to_target"] = sustained_crossing(by_step, target)
         run["aes"] = math.nan
@@ -170,9 +179,12 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
         arms.setdefault(run["strategy"], []).append(run)
     crossing = sustained_crossing(seed_mean_curve(base), target)
     steps_b = unreached(crossing) or math.nan  # a baseline at the target from step 0: no ratio
+    level = 0.05 / max(1, len(arms) - 1)  # Holm's first step over the tested arms
     table = [arm_row(baseline, arms.pop(baseline), base, steps_b, tested=False)]
     for name in sorted(arms):
-        table.append(arm_row(name, arms[name], base, steps_b, tested=True))
+        table.append(arm_row(name, arms[name], base, steps_b, tested=True, level=level))
+    for row in table:
+        row["gain_target"] = gain_target
     for key in ("area_p", "p_vs_base"):
         for row, p in zip(table, holm([row[key] for row in table])):
             row[key + "_holm"] = p
@@ -184,8 +196,10 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
     return table, target, budget
 
 
-def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, tested: bool) -> dict:
-    """One arm's row of the table, tested against the baseline's runs `base` if `tested`."""
+def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, tested: bool,
+            level: float = 0.05) -> dict:
+    """One arm's row of the table, tested against the baseline's runs `base` if `tested`; the
+    detectable difference at `level`."""
     acc = [run["final"] for run in runs if run["final"] is not None]
     areas = [run["area"] for run in runs if run["area"] is not None]
     base_areas = [run["area"] for run in base if run["area"] is not None]
@@ -197,11 +211,13 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "area_ci": mean_interval(areas),
             "area_diff": mean(areas) - mean(base_areas) if tested else math.nan,
             "area_p": welch_p(areas, base_areas) if tested else math.nan,
-            "detectable": detectable(areas, base_areas) if tested else math.nan,
+            "detectable": detectable(areas, base_areas, level) if tested else math.nan,
             "acc_mean": mean(acc), "acc_ci": mean_interval(acc),
             "p_vs_base": welch_p(acc, [run["final"] for run in base]) if tested else math.nan,
             "ratios": ratios, "ratio_median": statistics.median(ratios),
             "ratio_ci": bootstrap(ratios), "reached": sum(math.isfinite(x) for x in ratios),
+            "to_target": paired_ratio(pairs(runs, base, "tokens_to_target")),
+            "to_gain": paired_ratio(pairs(runs, base, "tokens_to_gain")),
             "steps_ratio": statistics.median(steps), "steps_ratio_ci": bootstrap(steps),
             "aes_mean": mean(aes_v),
             "aes_ci": bootstrap(aes_v, statistics.fmean) if aes_v else (math.nan, math.nan),
@@ -209,6 +225,13 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "tokens": mean([run["tokens"] for run in runs]),
             "trained_tokens": mean_known([run["trained_tokens"] for run in runs]),
             "trained_rows": mean_known([run["trained_rows"] for run in runs])}
+
+
+def pairs(runs: list[dict], base: list[dict], key: str) -> list[tuple[float, float]]:
+    """(the run's, the baseline run's) `key` for each seed both have; inf where never reached."""
+    by_seed = {run["seed"]: run for run in base}
+    return [(unreached(run[key]), unreached(by_seed[run["seed"]][key]))
+            for run in runs if run["seed"] in by_seed]
 
 
 def mean_known(xs: list) -> float:
@@ -227,6 +250,8 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
     ap.add_argument("--baseline", default="none", help="the arm the others are measured against")
     ap.add_argument("--target", type=float, help="accuracy (0-1) for tokens to target (default: "
                     "the baseline's mean final accuracy)")
+    ap.add_argument("--gain-fraction", type=float, default=0.9, help="the second target: the "
+                    "baseline's initial accuracy plus this fraction of its mean gain")
     ap.add_argument("--budget", help="generated tokens the area covers, or `shortest`: the "
                     "smallest total of the finished runs (default: of the baseline's runs)")
     ap.add_argument("--allow-mixed", action="store_true", help="pool the runs of an arm even "
@@ -251,13 +276,18 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
             raise ValueError(mixed)
         for run in runs:
             run.pop("config")
-        table, target, budget = compare_runs(runs, args.baseline, args.target, budget)
+        if not 0 < args.gain_fraction <= 1:  # (NaN is not)
+            raise ValueError(f"--gain-fraction must be in (0, 1], got {args.gain_fraction}")
+        table, target, budget = compare_runs(runs, args.baseline, args.target, budget,
+                                             args.gain_fraction)
         print(compare_table(table, target, budget, args.baseline))
         short = [run["path"] for run in runs if run["area"] is None]
         if short:
             print(f"\nnot in the area (short of the {budget:,.0f}-token budget, which --budget "
                   f"sets, or no step-0 eval): {', '.join(short)}")
-        write(Path(args.out_dir), runs, {"target": target, "budget": budget, "strategies": table})
+        write(Path(args.out_dir), runs, {"target": target, "gain_target": table[0]["gain_target"],
+                                         "gain_fraction": args.gain_fraction, "budget": budget,
+                                         "strategies": table})
     except (OSError, ValueError) as e:
         if args.debug:
             raise

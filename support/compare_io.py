@@ -28,7 +28,8 @@ UNCOMPARED = ("seed", "out_dir", "threads", "wandb.", "checkpoint.", "eval.every
               "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size",
               "rollout.vllm_")
 FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
-          "tokens_ratio", "steps_to_target", "aes", "area", "trained_tokens", "trained_rows"]
+          "tokens_ratio", "tokens_to_gain", "steps_to_target", "aes", "area", "trained_tokens",
+          "trained_rows"]
 
 
 def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
@@ -99,10 +100,15 @@ def mixed_configs(runs: list[dict]) -> str | None:
 
 def compare_table(table: list[dict], target: float, budget: float, baseline: str) -> str:
     """The markdown table: the area, final accuracy, then the secondary columns."""
-    crossing = f"tokens to {100 * target:.1f}% ÷ {baseline}'s: median (95% CI) [per seed]"
+    crossing = f"tokens to {100 * target:.1f}% ÷ {baseline}'s total: median (95% CI) [per seed]"
+    gain = table[0]["gain_target"]
+    paired = f"÷ {baseline}'s median (paired 95% CI) [at ≤ 0.5× / ≤ 0.3×]"
     columns = ["strategy", "seeds", f"area to {budget:,.0f} tokens % (95% CI) [runs]", "Δ pp",
-               "p", "Holm p", "verdict", "detectable Δ pp (80% power)", "final acc % (95% CI)",
-               "p", "Holm p", crossing, "reached", f"steps to it ÷ {baseline}'s (95% CI)",
+               "p", "Holm p", "verdict", "detectable Δ pp (80% power, Holm's α/m)",
+               "final acc % (95% CI)", "p", "Holm p", crossing, "reached",
+               f"tokens to {100 * target:.1f}% {paired}",
+               f"tokens to {100 * gain:.1f}% (the gain target) {paired}",
+               f"steps to {100 * target:.1f}% ÷ {baseline}'s (95% CI)",
                "AES (95% CI)", "eval entropy", "tokens generated", "tokens trained", "rows trained"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for row in table:
@@ -116,13 +122,32 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
                  f"{100 * row['acc_mean']:.1f} ({interval(row['acc_ci'], 100, '.1f')})",
                  num(row["p_vs_base"]), num(row["p_vs_base_holm"]),
                  f"{ratio} ({interval(row['ratio_ci'])}) [{seeds}]",
-                 f"{row['reached']}/{row['seeds']}",
+                 f"{row['reached']}/{row['seeds']}", ratio_cell(row["to_target"]),
+                 ratio_cell(row["to_gain"]),
                  f"{row['steps_ratio']:.2f} ({interval(row['steps_ratio_ci'])})",
                  f"{row['aes_mean']:.3f} ({interval(row['aes_ci'], fmt='.3f')})",
                  f"{row['entropy']:.3f}", f"{row['tokens']:.3g}",
                  num(row["trained_tokens"], ".3g"), num(row["trained_rows"], ".3g")]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
+
+
+def ratio_cell(r: tuple[float, float, float]) -> str:
+    """A paired ratio of medians (compare.arm_row's to_target, to_gain), its interval and its
+    verdicts at 0.5× and 0.3×: shown (the interval lies at or below), ruled out (above), or not
+    shown."""
+    if math.isnan(r[0]):
+        return ""
+    verdicts = []
+    for at in (0.5, 0.3):
+        verdict = "not shown"
+        if r[2] <= at:
+            verdict = "shown"
+        if r[1] > at:
+            verdict = "ruled out"
+        verdicts.append(verdict)
+    value = "∞" if math.isinf(r[0]) else f"{r[0]:.2f}"
+    return f"{value} ({interval(r[1:])}) [{' / '.join(verdicts)}]"
 
 
 def interval(bounds: tuple[float, float], scale: float = 1.0, fmt: str = ".2f") -> str:

@@ -27,7 +27,7 @@ def bootstrap(values: list[float], stat=statistics.median) -> tuple[float, float
     if len(values) > 6:
         rng = random.Random(0)
         draws = (rng.choices(values, k=len(values)) for _ in range(20_000))
-    stats = sorted(map(stat, draws))
+    stats = sorted(map(stat, draws))  # (values may be pairs: `paired_ratio`)
     bounds = []
     for q in (0.025, 0.975):
         i, f = divmod(q * (len(stats) - 1), 1)
@@ -85,13 +85,34 @@ def welch_p(a: list[float], b: list[float]) -> float:
     return 2 * t_sf(abs(mean(a) - mean(b)) / se, df)
 
 
-def detectable(a: list[float], b: list[float]) -> float:
-    """The smallest difference of means Welch's two-sided test at α = 0.05 finds with 80 % power:
-    (t_{0.975,ν} + t_{0.8,ν}) · SE, Welch's SE and ν (t quantiles: a few seeds estimate the SDs)."""
+def detectable(a: list[float], b: list[float], alpha: float = 0.05) -> float:
+    """The smallest difference of means Welch's two-sided test at level `alpha` finds with 80 %
+    power: (t_{1−α/2,ν} + t_{0.8,ν}) · SE, Welch's SE and ν (t quantiles: a few seeds estimate the
+    SDs). At α = 0.05 / m, the level Holm's first step over m tests asks."""
     se, df = welch(a, b)
     if not se > 0:
         return math.nan
-    return (t_quantile(0.975, df) + t_quantile(0.8, df)) * se
+    return (t_quantile(1 - alpha / 2, df) + t_quantile(0.8, df)) * se
+
+
+def ratio_of_medians(pairs: list[tuple[float, float]]) -> float:
+    """median(a) / median(b) over pairs (a, b) of positive values, inf where never reached: inf
+    when median(a) is (or both are), 0 when only median(b) is."""
+    a = statistics.median([p[0] for p in pairs])
+    b = statistics.median([p[1] for p in pairs])
+    if math.isinf(a):
+        return math.inf
+    if math.isinf(b):
+        return 0.0
+    return a / b
+
+
+def paired_ratio(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """`ratio_of_medians` of the pairs (an arm's and the baseline's value of one seed) and its 95 %
+    paired bootstrap interval: the seeds are resampled, each with both of its values."""
+    if not pairs:
+        return math.nan, math.nan, math.nan
+    return ratio_of_medians(pairs), *bootstrap(pairs, ratio_of_medians)
 
 
 def holm(ps: list[float]) -> list[float]:

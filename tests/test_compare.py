@@ -164,7 +164,8 @@ def test_area_table_end_to_end_on_train_run_folders(tmp_path, capsys):
         assert s[arm]["area_mean"] == pytest.approx(sum(areas[arm]) / 3, abs=1e-12)
         assert s[arm]["area_diff"] == pytest.approx((sum(areas[arm]) - sum(base)) / 3, abs=1e-12)
         assert s[arm]["area_p"] == pytest.approx(cp.welch_p(areas[arm], base))
-        assert s[arm]["detectable"] == pytest.approx(cp.detectable(areas[arm], base))
+        # at Holm's strictest level over the four tested arms (short included)
+        assert s[arm]["detectable"] == pytest.approx(cp.detectable(areas[arm], base, 0.05 / 4))
     # Holm over the three tested arms (short has no p), p_(1) ≤ p_(2) ≤ p_(3): 3 p_(1),
     # max(3 p_(1), 2 p_(2)), max(that, p_(3)); `same` is the largest p
     tested = [(a, s[a]["area_p"]) for a in ("better", "worse", "same")]
@@ -447,3 +448,57 @@ def test_area_budget_shortest_is_the_smallest_finished_run(tmp_path, capsys):
     hand = (0.2 + 2 * 0.4 + 2 * 0.5 + 0.6) / 6
     assert float(rows["aper", "0"]["area"]) == pytest.approx(hand, abs=1e-12)
     assert rows["aper", "1"]["area"] == ""
+
+
+# ------------------------------------------- #42: paired ratios, the gain target, Holm's level
+
+
+def test_paired_ratio_of_medians_resamples_seeds_with_both_values():
+    """The ratio is median(arm) / median(baseline); each bootstrap resample draws seeds, each with
+    its pair. Two seeds: resamples {1,1}, {1,2}, {2,1}, {2,2} give ratios 0.5, 0.5 (medians 3/6),
+    0.5, 0.5, so the interval is exactly 0.5; unpaired resampling would spread it."""
+    from support.stats import paired_ratio, ratio_of_medians
+
+    assert paired_ratio([(2.0, 4.0), (4.0, 8.0)]) == (0.5, 0.5, 0.5)
+    assert ratio_of_medians([(math.inf, 4.0), (math.inf, 8.0)]) == math.inf
+    assert ratio_of_medians([(3.0, math.inf), (5.0, math.inf)]) == 0.0
+    r, lo, hi = paired_ratio([(1.0, 2.0), (3.0, 2.0), (2.0, 4.0)])
+    assert r == pytest.approx(2 / 2) and lo <= r <= hi
+
+
+def test_detectable_difference_at_holms_strictest_level():
+    """At α = 0.05 / 4 (four tested arms) the t quantile is 1 − α/2 = 0.99375: a larger
+    difference than at 0.05. (1, 2, 3) vs (4, 5, 6): SE = √(2/3), ν = 4."""
+    def t4(p):
+        a = 4 * p * (1 - p)
+        return 2 * math.sqrt(math.cos(math.acos(math.sqrt(a)) / 3) / math.sqrt(a) - 1)
+
+    hand = (t4(1 - 0.05 / 8) + t4(0.8)) * math.sqrt(2 / 3)
+    got = cp.detectable([1.0, 2.0, 3.0], [4.0, 5.0, 6.0], 0.05 / 4)
+    assert got == pytest.approx(hand, rel=1e-6) and got > cp.detectable([1.0, 2.0, 3.0],
+                                                                         [4.0, 5.0, 6.0])
+
+
+def test_gain_target_and_paired_ratios_in_the_table(tmp_path):
+    """none's seeds go 0.2 → 0.6 (mean gain 0.4): the gain target is 0.2 + 0.9 · 0.4 = 0.56.
+    Seed by seed, `fast` reaches 0.56 at 160 generated tokens (none: 600) and 0.6 at 200 (none:
+    800): paired ratios 0.27 and 0.25 with zero-width intervals, shown at 0.5× and at 0.3×."""
+    none = [train_run(tmp_path, "none", s, [0.2, 0.4, 0.5, 0.56, 0.6, 0.6]) for s in (0, 1)]
+    fast = [train_run(tmp_path, "fast", s, [0.2, 0.5, 0.6, 0.6, 0.6, 0.6], per_step=50)
+            for s in (0, 1)]
+    loaded = [cp.load_run(r) for r in none + fast]
+    table, target, _ = cp.compare_runs(loaded, "none", None, "shortest")
+    row = table[1]
+    assert target == pytest.approx(0.6) and row["gain_target"] == pytest.approx(0.56)
+    # none: 0.56 at step 6 (600 tokens), 0.6 at step 8 (800). fast (50 tokens a step): 0.5 at
+    # step 2, 0.6 at step 4, so 0.56 at step 3.2 (160 tokens) and 0.6 at step 4 (200)
+    assert loaded[0]["tokens_to_gain"] == pytest.approx(600)
+    assert loaded[2]["tokens_to_gain"] == pytest.approx(160)
+    assert row["to_gain"] == pytest.approx((160 / 600,) * 3)
+    assert row["to_target"] == pytest.approx((200 / 800,) * 3)
+    from support.compare_io import ratio_cell
+
+    assert ratio_cell(row["to_target"]).endswith("[shown / shown]")
+    assert ratio_cell((0.45, 0.35, 0.48)).endswith("[shown / ruled out]")
+    assert ratio_cell((0.6, 0.4, 0.9)).endswith("[not shown / ruled out]")
+    assert ratio_cell(table[0]["to_target"]).startswith("1.00 (1.00–1.00)")
