@@ -8,8 +8,9 @@ Per arm: its mean, the difference to the baseline, Welch's p, Holm's p over ever
 and the difference its seeds could detect at Holm's strictest level. Secondary: final accuracy
 (the same tests); generated tokens to the baseline's final accuracy and to a target below its
 plateau (90 % of its mean gain), each as the ratio of the arm's median to the baseline's with a
-paired bootstrap interval (seeds resampled) and verdicts at 0.5× and 0.3×; steps to the final
-accuracy, O1-Pruner's AES, the eval entropy, tokens and rows trained (the update's compute).
+paired bootstrap interval (seeds resampled) and verdicts at 0.5× and 0.3×; the tokens trained on
+(the update's compute) to the second target, as the same ratio; steps to the final accuracy,
+O1-Pruner's AES, the eval entropy, tokens and rows trained in all.
 """
 
 import argparse
@@ -47,14 +48,17 @@ def load_run(path: str | Path) -> dict:
         tags.append(f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate")))
     phase1 = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0)
     curve = [(0, phase1, summary.get("eval_accuracy_initial"), 0.0)]
+    trained = {0: 0}  # step: tokens the updates trained on so far (the update's compute)
     for row in rows:
+        if row.get("tokens/trained") is not None:
+            trained[row.get("step")] = row["tokens/trained"]
         tokens = row.get("tokens/generated_total", row.get("generated_tokens"))
         se = row.get("eval/accuracy_se", 0)
         curve.append((row.get("step"), tokens, row.get("eval/accuracy"), se))
     curve = [c for c in curve if c[2] is not None]
     return {"path": str(path), "strategy": "+".join(tags).removeprefix("none+"),
             "config": flatten(config),
-            "seed": summary.get("seed", config.get("seed")), "curve": curve,
+            "seed": summary.get("seed", config.get("seed")), "curve": curve, "trained": trained,
             "finished": bool(summary),
             "final": curve[-1][2] if curve else None,
             "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
@@ -170,6 +174,9 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
         run["tokens_to_target"] = crossing
         run["tokens_ratio"] = None if crossing is None else crossing / T_b
         run["tokens_to_gain"] = sustained_crossing(run["curve"], gain_target)
+        by_trained = [(c[0], run["trained"][c[0]], *c[2:]) for c in run["curve"]
+                      if c[0] in run["trained"]]  # the same rule over trained tokens
+        run["trained_to_gain"] = sustained_crossing(by_trained, gain_target)
         by_step = [(c[0], c[0], c[2], c[3]) for c in run["curve"]]  # the same rule in steps
         run["steps_to_target"] = sustained_crossing(by_step, target)
         run["aes"] = math.nan
@@ -218,6 +225,9 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "ratio_ci": bootstrap(ratios), "reached": sum(math.isfinite(x) for x in ratios),
             "to_target": paired_ratio(pairs(runs, base, "tokens_to_target")),
             "to_gain": paired_ratio(pairs(runs, base, "tokens_to_gain")),
+            "trained_to_gain": (paired_ratio(pairs(runs, base, "trained_to_gain"))
+                                if all(len(run["trained"]) > 1 for run in runs + base)
+                                else (math.nan,) * 3),  # (runs before #42 logged none)
             "steps_ratio": statistics.median(steps), "steps_ratio_ci": bootstrap(steps),
             "aes_mean": mean(aes_v),
             "aes_ci": bootstrap(aes_v, statistics.fmean) if aes_v else (math.nan, math.nan),

@@ -43,7 +43,7 @@ def write_run(root: Path, strategy: str, seed: int, evals: list[tuple], finished
 
 
 def train_run(root: Path, strategy: str, seed: int, accs: list[float], per_step: int = 100,
-              every: int = 2) -> Path:
+              every: int = 2, trained_per_step: int = 0) -> Path:
     """A run folder as train.py writes it: config.yaml; metrics.jsonl with one row per step 1..N
     and the eval fields every `every` steps; summary.json with the step-0 eval. accs: the eval
     accuracy at steps 0, every, 2·every, ...; `per_step` generated tokens per step."""
@@ -56,6 +56,8 @@ def train_run(root: Path, strategy: str, seed: int, accs: list[float], per_step:
     for step in range(1, steps + 1):
         tokens = step * per_step
         row = {"step": step, "generated_tokens": tokens, "tokens/generated_total": tokens}
+        if trained_per_step:
+            row["tokens/trained"] = step * trained_per_step
         if step % every == 0:
             row |= {"eval/accuracy": accs[step // every], "eval/accuracy_se": 0.02,
                     "eval/response_len": 12.0, "eval/entropy": 0.3}
@@ -482,10 +484,13 @@ def test_detectable_difference_at_holms_strictest_level():
 def test_gain_target_and_paired_ratios_in_the_table(tmp_path):
     """none's seeds go 0.2 → 0.6 (mean gain 0.4): the gain target is 0.2 + 0.9 · 0.4 = 0.56.
     Seed by seed, `fast` reaches 0.56 at 160 generated tokens (none: 600) and 0.6 at 200 (none:
-    800): paired ratios 0.27 and 0.25 with zero-width intervals, shown at 0.5× and at 0.3×."""
-    none = [train_run(tmp_path, "none", s, [0.2, 0.4, 0.5, 0.56, 0.6, 0.6]) for s in (0, 1)]
-    fast = [train_run(tmp_path, "fast", s, [0.2, 0.5, 0.6, 0.6, 0.6, 0.6], per_step=50)
+    800): paired ratios 0.27 and 0.25 with zero-width intervals, shown at 0.5× and at 0.3×. The
+    tokens trained to the gain target (`tokens/trained`, the update's compute) get the same
+    ratio."""
+    none = [train_run(tmp_path, "none", s, [0.2, 0.4, 0.5, 0.56, 0.6, 0.6], trained_per_step=80)
             for s in (0, 1)]
+    fast = [train_run(tmp_path, "fast", s, [0.2, 0.5, 0.6, 0.6, 0.6, 0.6], per_step=50,
+                      trained_per_step=120) for s in (0, 1)]
     loaded = [cp.load_run(r) for r in none + fast]
     table, target, _ = cp.compare_runs(loaded, "none", None, "shortest")
     row = table[1]
@@ -496,6 +501,9 @@ def test_gain_target_and_paired_ratios_in_the_table(tmp_path):
     assert loaded[2]["tokens_to_gain"] == pytest.approx(160)
     assert row["to_gain"] == pytest.approx((160 / 600,) * 3)
     assert row["to_target"] == pytest.approx((200 / 800,) * 3)
+    # the update's compute: fast trains 120 tokens a step, none 80: 3.2 · 120 = 384 against
+    # 6 · 80 = 480 tokens trained to the gain target
+    assert row["trained_to_gain"] == pytest.approx((384 / 480,) * 3)
     from support.compare_io import ratio_cell
 
     assert ratio_cell(row["to_target"]).endswith("[shown / shown]")
