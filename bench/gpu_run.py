@@ -1,7 +1,7 @@
 """The run on a real GPU (issue #41): every CUDA path of a paper config through one H100 or H200 in
-about 7 minutes, one step after another, cheapest first, each under its own time cap, so that a
-slow step cannot eat the rest. Writes <out>/gpu_run.json (written again after every step) and
-<out>/gpu_run.log (every child's whole output).
+about 8.5 minutes (its caps add up to 17), one step after another, cheapest first, each under its
+own time cap, so that a slow step cannot eat the rest. Writes <out>/gpu_run.json (written again
+after every step) and <out>/gpu_run.log (every child's whole output).
 
   python bench/gpu_run.py --out docs/gpu                 # on the GPU machine
   python bench/gpu_run.py --dry-run --out /tmp/gpu_dry   # every step on a CPU at toy sizes (~2 min)
@@ -34,19 +34,24 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from support.util import kill_tree
+
 CHECK = [sys.executable, str(REPO / "bench" / "gpu_check.py")]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 TINY = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
         "--wandb.mode=disabled"]
-CAPS = {"env": 60, "check": 180, "tiny": 150, "resume": 150, "full": 240, "lora": 180}
+CAPS = {"env": 60, "check": 240, "tiny": 150, "resume": 150, "full": 240, "lora": 180}
 """Seconds each step may take on the GPU (a dry run gets the same)."""
+DRY = ["--shape", "dry", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
+       "--max-new-tokens", "12", "--allow-cpu"]
+"""gpu_check's sizes in a dry run (every step's): the tiny model on the CPU."""
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1",
        "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -93,7 +98,7 @@ def child(cmd: list[str], report: Report, timeout: float, env: dict | None = Non
         out, _ = p.communicate(timeout=timeout)
         code = p.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        kill_tree(p.pid)
         out, _ = p.communicate()
         code = None
     with report.log.open("a") as f:
@@ -177,8 +182,7 @@ def check_step(a, report: Report, cap: float) -> dict:
     want = "cuda:nccl" if not a.dry_run else "cpu:gloo"
     ok = code == 0 and want in ranks.get("backend_map", "") and ranks.get("fsdp_step_moved")
     report.say(f"check: torchrun's rank: {ranks}")
-    sizes = ["--shape", "dry", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
-             "--max-new-tokens", "12", "--max-grad-norm-diff", "0.1", "--allow-cpu"]
+    sizes = [*DRY, "--max-grad-norm-diff", "0.1"]
     if not a.dry_run:
         sizes = ["--shape", "Qwen/Qwen2.5-0.5B", "--prompts", "4", "--group-size", "8",
                  "--prompt-tokens", "256", "--max-new-tokens", "256"]
@@ -298,7 +302,7 @@ def sigkill_after(cmd: list[str], out_dir: Path, lines: int, env: dict, timeout:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
             break
         time.sleep(0.02)
-    os.killpg(p.pid, signal.SIGKILL)
+    kill_tree(p.pid)
     p.wait()
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
@@ -317,9 +321,7 @@ def full_step(a, report: Report, cap: float) -> dict:
     sizes = ["--shape", "Qwen/Qwen2.5-1.5B", "--prompts", "16", "--group-size", "8",
              "--prompt-tokens", "512", "--max-new-tokens", "1024", "--skip-torchrun"]
     if a.dry_run:
-        sizes = ["--shape", "dry", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
-                 "--max-new-tokens", "12", "--max-grad-norm-diff", "0.1", "--allow-cpu",
-                 "--skip-torchrun"]
+        sizes = [*DRY, "--max-grad-norm-diff", "0.1", "--skip-torchrun"]
     return gpu_check(a, report, sizes, cap, "full")
 
 
@@ -327,9 +329,7 @@ def lora_step(a, report: Report, cap: float) -> dict:
     sizes = ["--shape", "Qwen/Qwen3-4B-Base", "--lora", "32", "--prompts", "8", "--group-size",
              "8", "--prompt-tokens", "512", "--max-new-tokens", "512", "--skip-torchrun"]
     if a.dry_run:
-        sizes = ["--shape", "dry", "--lora", "4", "--prompts", "2", "--group-size", "2",
-                 "--prompt-tokens", "16", "--max-new-tokens", "12", "--allow-cpu",
-                 "--skip-torchrun"]
+        sizes = [*DRY, "--lora", "4", "--skip-torchrun"]
     return gpu_check(a, report, sizes, cap, "lora")
 
 

@@ -1,5 +1,6 @@
 """Small helpers: the bad-input error, an exception as one line, what a path or a text must be,
-dependencies kept quiet, a timer, a dtype by name, the global RNG streams as plain values."""
+dependencies kept quiet, a timer, a dtype by name, the global RNG streams as plain values; a
+process and everything it started, stopped (for the tests and bench scripts)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import dataclasses
 import os
 import random
+import signal
 import sys
 import time
 import warnings
@@ -148,3 +150,36 @@ def flatten(d: dict, prefix: str = "") -> dict:
 def flat_dict(cfg) -> dict:
     """{dotted key: value} of every leaf of a config (dataclasses)."""
     return flatten(dataclasses.asdict(cfg))
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`, children before grandchildren, from /proc (none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # it ended while we looked
+            continue
+        ppid = int(text.rsplit(")", 1)[1].split()[1])  # the fields after the command's ")"
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found = list(children.get(pid, []))
+    for child in found:
+        found += children.get(child, [])
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, its process group and every process below it. torchrun starts each worker in
+    a session of its own, so a signal to the launcher's group alone leaves the workers running,
+    writing to the run's folder and holding the launcher's output pipes open (a caller reading
+    them to their end would wait forever)."""
+    below = descendants(pid)  # before the kill: then they are re-parented and lost
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # not a group leader, or gone
+        pass
+    for p in [pid, *below]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

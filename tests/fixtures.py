@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from support.util import kill_tree
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -161,7 +161,7 @@ def torchrun(*args: str, n: int = 2, timeout: int = 400) -> subprocess.Completed
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"torchrun timed out after {timeout}s: {err[-4000:]}")
     assert proc.returncode == 0, err[-4000:]

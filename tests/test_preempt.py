@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from support.checkpoint import checkpoints
+from support.util import kill_tree
 from tests.test_reliability import ENV, MODEL, REPO, TIMING, needs_model
 
 STEPS = 6
@@ -173,7 +174,7 @@ class Launch:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc.pid)
             self.proc.wait()
 
     def stderr(self) -> str:

@@ -10,8 +10,6 @@ import contextlib
 import copy
 import functools
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ from rollout import RolloutConfig, Rollouts, generate
 from support.logprobs import completion_logprobs, token_logprobs
 from support.models import load_policy
 from support.prompts import end_ids, prompt_ids
+from support.util import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_AGGS = ("dapo", "grpo", "dr_grpo")
@@ -349,6 +348,44 @@ FSDP_RUN = ["train.py", "--config", "configs/tiny.yaml", "--model.parallel=fsdp"
             "--threads=1", "--wandb.mode=disabled", "--max_steps=5"]
 
 
+SLEEPER = """import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (an unreaped zombie is not)."""
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_kill_tree_stops_torchruns_workers_and_frees_its_pipes(tmp_path):
+    """torchrun starts each worker in a session of its own: a SIGKILL to the launcher's process
+    group leaves both running (writing to the run's folder, holding the pipes a timed-out test
+    then reads to their end: a hang). support.util.kill_tree, which the tests' and gpu_run's
+    timeouts use, stops both and the pipes close."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 120
+    while not all((tmp_path / r).exists() for r in "01") and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # each pid file written in full
+    workers = [int((tmp_path / r).read_text()) for r in "01"]
+    assert all(map(running, workers))
+    kill_tree(proc.pid)
+    proc.communicate(timeout=30)  # EOF on both pipes: no worker holds them
+    deadline = time.time() + 10
+    while any(map(running, workers)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, workers)), "a torchrun worker outlived kill_tree"
+
+
 def test_fsdp_sigkill_then_resume_is_bit_identical(tmp_path):
     """model.parallel=fsdp on 2 processes: a run killed (SIGKILL, every process) after step 3 and resumed from its
     step-2 checkpoint ends with the same metrics and bit-identical weights as an uninterrupted run; final/ is an
@@ -361,7 +398,7 @@ def test_fsdp_sigkill_then_resume_is_bit_identical(tmp_path):
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
         if (run / "metrics.jsonl").exists() and '"step": 3,' in (run / "metrics.jsonl").read_text():
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers at once
+            kill_tree(proc.pid)  # the launcher and both workers at once
             break
         time.sleep(0.05)
     proc.wait(timeout=60)
