@@ -199,6 +199,7 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
             r.log.close()
         r.folder.close()
         r.sampler.close()  # first: vLLM tears down its groups (and a world it made)
+        r.policy = None  # DDP's wrapper goes before its process group (parallel.close)
         parallel.close()
 
 

@@ -1,7 +1,7 @@
 """Does evaluating every 10 steps instead of every 5 keep the area's noise? (issue #32)
 
 Usage:
-  python bench/eval_spacing.py runs/repro            # every finished <arm>-s<seed> run in the folder
+  python bench/eval_spacing.py runs/repro  # every finished <arm>-s<seed> run in the folder
   python bench/eval_spacing.py runs/repro --every 10 --budget 609527
 
 Evaluation never changes training (its sampling has its own RNG stream), so the evals of a run at

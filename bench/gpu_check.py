@@ -46,21 +46,25 @@ PEAK_TFLOPS = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362,
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model.path", dest="path", help="a local model folder (default: random)")
-    ap.add_argument("--shape", default="Qwen/Qwen2.5-0.5B", help="a key of bench/memory_plan.SHAPES")
+    ap.add_argument("--shape", default="Qwen/Qwen2.5-0.5B",
+                    help="a key of bench/memory_plan.SHAPES")
     ap.add_argument("--vocab", type=int, default=0, help="the random model's (0: the shape's)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=512, help="length of the random prompts")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
-    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: by its name)")
+    ap.add_argument("--peak-tflops", type=float,
+                    help="the GPU's dense bf16 peak (default: by its name)")
     ap.add_argument("--max-gap-mean", type=float, default=0.02,
                     help="largest mean |behaviour − trainer| log-prob of fresh tokens")
     ap.add_argument("--max-grad-norm-diff", type=float, default=0.01,
                     help="largest relative difference of the gradient norm from the reference's")
-    ap.add_argument("--lora", type=int, default=0, help="adapters of this rank on a frozen bf16 base "
-                    "(one process, no FSDP; (e) then checks no reference gradient norm)")
+    ap.add_argument("--lora", type=int, default=0,
+                    help="adapters of this rank on a frozen bf16 base "
+                         "(one process, no FSDP; (e) then checks no reference gradient norm)")
     ap.add_argument("--json", help="also write every figure measured to this JSON file")
     ap.add_argument("--skip-torchrun", action="store_true", help="leave out check (a)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU tests
@@ -70,7 +74,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if not torch.cuda.is_available() and not a.allow_cpu:
-        print("gpu_check: no GPU is visible (torch.cuda.is_available() is False); run it on the GPU machine")
+        print("gpu_check: no GPU is visible (torch.cuda.is_available() is False); "
+              "run it on the GPU machine")
         return 2
     shape = shape_of(a.shape) if not a.path else None
     if shape is not None and a.vocab:
@@ -162,7 +167,8 @@ def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]
     if len(lines) != 3 or "rollout/logp_gap_mean" not in lines[-1]:
         failures.append("(a) metrics.jsonl lacks steps or the log-prob gap")
     REPORT["torchrun"] = {"metric_lines": len(lines), "checkpoints": checkpoints,
-                          "seconds": time.time() - t0, "final_dtype": str(next(model.parameters()).dtype)}
+                          "seconds": time.time() - t0,
+                          "final_dtype": str(next(model.parameters()).dtype)}
     print(f"(a) torchrun, FSDP at world size 1: 2 steps, resumed to 3 ({len(lines)} metric lines), "
           f"checkpoints {checkpoints}, final/ loads ({type(model).__name__}, "
           f"{next(model.parameters()).dtype}) in {time.time() - t0:.0f} s")
@@ -312,7 +318,8 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     reset_peak()
     sync()
     t0 = time.time()
-    metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, policy, optimizer, batch, device, compute)
+    metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, policy, optimizer, batch,
+                                          device, compute)
     sync()
     peaks["training"] = peak_bytes()
     tps = int(batch.seq_len.sum()) / (time.time() - t0)
@@ -322,8 +329,9 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     ref_norm = math.nan if a.lora else reference_grad_norm(cfg, path, batch, device)
     rel, gap = abs(metrics["grad_norm"] / ref_norm - 1), metrics["rollout/logp_gap_mean"]
     trained = sum(p.numel() for p in params if p.requires_grad)
-    REPORT["gap"] = {"training_forward_mean": gap, "training_forward_max":
-                     metrics["rollout/logp_gap_max"], **{f"no_grad_{k}": v for k, v in stats.items()}}
+    REPORT["gap"] = {"training_forward_mean": gap,
+                     "training_forward_max": metrics["rollout/logp_gap_max"],
+                     **{f"no_grad_{k}": v for k, v in stats.items()}}
     REPORT["update"] = {"tokens": int(batch.seq_len.sum()), "tokens_per_s": tps,
                         "params": sum(p.numel() for p in params), "trained_params": trained,
                         "moved_frac": moved, "grad_norm": metrics["grad_norm"],
@@ -405,7 +413,8 @@ def reference_grad_norm(cfg, path: str, batch, device) -> float:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     bf16 = cfg.model.compute_dtype == "bfloat16"
     compute = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else None
-    metrics, _, _, _ = grpo.update_policy(update_settings(ref_cfg), model, model, optimizer, batch, device, compute)
+    metrics, _, _, _ = grpo.update_policy(update_settings(ref_cfg), model, model, optimizer, batch,
+                                          device, compute)
     del model
     return metrics["grad_norm"]
 

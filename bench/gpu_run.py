@@ -10,10 +10,11 @@ after every step) and <out>/gpu_run.log (every child's whole output).
 Steps:
   env     GPU name and memory, torch and transformers versions, a bf16 matmul's TFLOP/s (the peak
           that the MFU divides by).
-  check   `torchrun --nproc_per_node=1`: the process group's backend map (cuda:nccl beside cpu:gloo),
-          an all-reduce of a host and a device tensor, an FSDP2 root on one rank taking an AdamW
-          step; then bench/gpu_check.py at Qwen2.5-0.5B's shape (train.py under torchrun with FSDP,
-          two steps and a --resume, generation, the log-prob gap, the update, the chunked head).
+  check   `torchrun --nproc_per_node=1`: the process group's backend map (cuda:nccl beside
+          cpu:gloo), an all-reduce of a host and a device tensor, an FSDP2 root on one rank taking
+          an AdamW step; then bench/gpu_check.py at Qwen2.5-0.5B's shape (train.py under torchrun
+          with FSDP, two steps and a --resume, generation, the log-prob gap, the update, the chunked
+          head).
   tiny    the default tiny run (configs/tiny.yaml, 60 steps) on CUDA: its gain (needs +20 pp), its
           wall time.
   resume  the tiny run SIGKILLed after its step-4 checkpoint and resumed to step 8, against an
@@ -69,7 +70,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Report:
-    """The JSON and the log, both rewritten as the run goes, so a run cut short keeps its figures."""
+    """The JSON and the log, both rewritten as the run goes, so a run cut short keeps its
+    figures."""
 
     def __init__(self, out: Path, dry: bool):
         out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +149,8 @@ def sync(device) -> None:
 # ----------------------------------------------------------------------------------------- check
 def rank_check() -> None:
     """Under torchrun --nproc_per_node=1: support/parallel.init's process group, an all-reduce of a
-    host and a device tensor, and an FSDP2 root (fully_shard) taking an AdamW step. One JSON line."""
+    host and a device tensor, and an FSDP2 root (fully_shard) taking an AdamW step. One JSON
+    line."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -220,8 +223,10 @@ def tiny_step(a, report: Report, cap: float) -> dict:
         return {"status": "timeout" if code is None else "failed", "exit": code, "tail": tail(out)}
     s = json.loads(summary.read_text())
     gain = s["eval_accuracy_final"] - s["eval_accuracy_initial"]
-    report.say(f"tiny: {s['steps']} steps on {report.data['device']}, eval {s['eval_accuracy_initial']:.3f} -> "
-               f"{s['eval_accuracy_final']:.3f} ({100 * gain:+.1f} pp) in {s['wall_seconds']:.0f} s "
+    report.say(f"tiny: {s['steps']} steps on {report.data['device']}, "
+               f"eval {s['eval_accuracy_initial']:.3f} -> "
+               f"{s['eval_accuracy_final']:.3f} ({100 * gain:+.1f} pp) "
+               f"in {s['wall_seconds']:.0f} s "
                f"of training ({seconds:.0f} s with start-up)")
     passed = gain >= 0.20 or a.dry_run
     return {"status": "passed" if passed else "failed", "steps": s["steps"], "gain": gain,

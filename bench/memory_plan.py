@@ -1,40 +1,49 @@
-"""Memory per GPU for the paper configs, from a formula you can check, and a CPU measurement that checks it.
+"""Memory per GPU for the paper configs, from a formula you can check, and a CPU measurement that
+checks it.
 
 Usage:
-  python bench/memory_plan.py                      # docs/gpu.md's table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
+  python bench/memory_plan.py \
+      # docs/gpu.md's table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
   python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model
                                                    # trained on this CPU: peak RSS vs the formula
   python bench/memory_plan.py --measure --lora 32  # the same with rank-32 adapters on a frozen base
 
-The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N GPUs sharing them under fsdp):
-  weights      4·P        float32 master weights            (/N under fsdp, + 2·2·P_layer of gathered bf16 layers)
+The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N GPUs sharing them
+under fsdp):
+  weights      4·P        float32 master weights            (/N under fsdp, + 2·2·P_layer of
+                                                             gathered bf16 layers)
   gradients    4·P        float32                           (/N under fsdp)
   optimizer    8·P        AdamW's two float32 moments       (/N under fsdp)
-  activations  with gradient checkpointing: L·b·T·H·a (each layer's input) + b·T·(4H + 3·(n_q + 2·n_kv)·d + 4I)·a·2
-               (one layer recomputed, with its gradients); without it, L times the second term. b = micro-batch rows,
-               T = prompt + response tokens (b·T = optim.micro_batch_tokens when set), a = bytes of the
-               compute dtype (2 for bf16)
-  logits       2·4·C + 4·V·H (+ 4·V·H when a = 2): the output layer runs in chunks of C = support.logprobs.HEAD_CHUNK
-               float32 logits, recomputed in backward (two (chunk, V) temporaries), its float32 weight
-               gradient before it is accumulated (none under LoRA: the output layer is frozen), and
-               the float32 copy of bf16 weights
-  logprob pass the no-grad passes for π at the start of a step (optim.minibatches > 1) and the reference (beta > 0):
+  activations  with gradient checkpointing: L·b·T·H·a (each layer's input)
+               + b·T·(4H + 3·(n_q + 2·n_kv)·d + 4I)·a·2 (one layer recomputed, with its gradients);
+               without it, L times the second term. b = micro-batch rows,
+               T = prompt + response tokens (b·T = optim.micro_batch_tokens when set),
+               a = bytes of the compute dtype (2 for bf16)
+  logits       2·4·C + 4·V·H (+ 4·V·H when a = 2): the output layer runs in chunks of
+               C = support.logprobs.HEAD_CHUNK float32 logits, recomputed in backward
+               (two (chunk, V) temporaries), its float32 weight gradient before it is accumulated
+               (none under LoRA: the output layer is frozen), and the float32 copy of bf16 weights
+  logprob pass the no-grad passes for π at the start of a step (optim.minibatches > 1) and the
+               reference (beta > 0):
                b_lp·T·H·8a + 2·4·C (+ 4·V·H when a = 2), b_lp = optim.logprob_batch_size
-  generation   KV cache  gen_batch·T·L·2·n_kv·d·2 (bf16), plus under fsdp the full bf16 weights 2·P, gathered once
-               for the whole generation phase, plus (when a = 2) the float32 copy of the output layer
+  generation   KV cache  gen_batch·T·L·2·n_kv·d·2 (bf16), plus under fsdp the full bf16 weights 2·P,
+               gathered once for the whole generation phase,
+               plus (when a = 2) the float32 copy of the output layer
                that each decoding step's float32 logits are computed with (4·V·H)
   optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
 LoRA (model.lora.rank r > 0; P_A = r · Σ (fan-in + fan-out) over the linear layers of every block):
   weights a·P (the frozen base, in the compute dtype) + 4·P_A; gradients 4·P_A; optimizer 8·P_A;
   optimizer step 4·P_A; logits 2·4·C (+ 4·V·H when a = 2); no-grad passes, activations and
   generation as above.
-Training, the no-grad passes, generation and the optimizer step do not overlap in time. Weights and AdamW's state are
-resident; gradients live from the first backward of an update to its end (set to None there), so only the training phase and
-the optimizer step hold them: peak = weights + optimizer + max(gradients + activations + logits, gradients + optimizer step,
-no-grad pass, generation). Before the first optimizer step AdamW has no state yet: `first_step_peak` (what bench/gpu_check.py
-measures) = weights + max(gradients + activations + logits, gradients + optimizer + optimizer step, no-grad pass,
-generation). Not counted: the CUDA context and allocator fragmentation (plan 2-4 GB of headroom per GPU); under LoRA with optim.epochs > 1, the gate's
-float32 gradient of the frozen output layer and its sum (2·4·V·H; no paper config sets epochs).
+Training, the no-grad passes, generation and the optimizer step do not overlap in time. Weights and
+AdamW's state are resident; gradients live from the first backward of an update to its end (set to
+None there), so only the training phase and the optimizer step hold them: peak = weights + optimizer
++ max(gradients + activations + logits, gradients + optimizer step, no-grad pass, generation).
+Before the first optimizer step AdamW has no state yet: `first_step_peak` (what bench/gpu_check.py
+measures) = weights + max(gradients + activations + logits, gradients + optimizer + optimizer step,
+no-grad pass, generation). Not counted: the CUDA context and allocator fragmentation (plan 2-4 GB of
+headroom per GPU); under LoRA with optim.epochs > 1, the gate's float32 gradient of the frozen
+output layer and its sum (2·4·V·H; no paper config sets epochs).
 --measure runs each configuration in a child process of its own, on one thread, with glibc's
 mmap threshold fixed at 128 KiB: by default glibc raises that threshold up to 32 MiB as blocks are
 freed, then keeps freed layer-sized blocks in its heap (1.1-1.3 GB of free heap during a LoRA
@@ -83,7 +92,9 @@ class Shape:
         return self.layers * rank * fans
 
     def params(self) -> int:
-        return self.layers * self.layer_params() + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        return (self.layers * self.layer_params()
+                + self.vocab * self.hidden * (1 if self.tied else 2)
+                + self.hidden)
 
 
 SHAPES = {  # from the models' public config.json files
@@ -96,7 +107,8 @@ SHAPES = {  # from the models' public config.json files
 }
 
 
-def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: int, prompt: int, response: int,
+def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: int, prompt: int,
+             response: int,
              checkpointing: bool = True, act_bytes: int = 2, logprob_batch: int = 0,
              lora_rank: int = 0, micro_tokens: int = 0) -> dict[str, float]:
     """Bytes per GPU of each part (see the module docstring); `peak` is their sum as the phases add
@@ -107,7 +119,8 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
     P, shard = s.params(), (gpus if fsdp else 1)
     T, a = prompt + response, act_bytes
     bT = micro_tokens or micro_batch * T  # tokens of one micro-batch
-    layer = bT * (4 * s.hidden + 3 * (s.heads + 2 * s.kv_heads) * s.head_dim + 4 * s.intermediate) * a * 2
+    layer = bT * (4 * s.hidden + 3 * (s.heads + 2 * s.kv_heads) * s.head_dim
+                  + 4 * s.intermediate) * a * 2
     upcast = 4 * s.vocab * s.hidden * (a < 4)  # bf16 output-layer weights copied to float32
     trained = s.lora_params(lora_rank) if lora_rank else P  # what has gradients and AdamW state
     base = (a if lora_rank else 4) * P / shard  # a frozen base is held in the compute dtype
@@ -116,10 +129,13 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
         + (4 * s.layer_params() if fsdp else 0),
         "gradients": 4 * trained / shard,
         "optimizer": 8 * trained / shard,
-        "activations": (s.layers * bT * s.hidden * a + layer) if checkpointing else s.layers * layer / 2,
+        "activations": ((s.layers * bT * s.hidden * a + layer) if checkpointing
+                        else s.layers * layer / 2),
         "logits": 2 * 4 * HEAD_CHUNK + 4 * s.vocab * s.hidden * (not lora_rank) + upcast,
-        "logprob_pass": (logprob_batch * T * s.hidden * a * 8 + 2 * 4 * HEAD_CHUNK + upcast) * bool(logprob_batch),
-        "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2 + (2 * P if fsdp else 0)
+        "logprob_pass": (logprob_batch * T * s.hidden * a * 8 + 2 * 4 * HEAD_CHUNK + upcast)
+        * bool(logprob_batch),
+        "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2
+        + (2 * P if fsdp else 0)
         + upcast,
         "optimizer_step": 4 * trained / shard,
     }
@@ -152,7 +168,8 @@ def gb(e: dict, keys: tuple) -> str:
 def paper_table(budget_gb: float = 80) -> str:
     from config import load_config
 
-    rows = [("| config | model (params) | GPUs | parallel | weights | grads | AdamW | activations | logits | "
+    rows = [("| config | model (params) | GPUs | parallel | weights | grads | AdamW | "
+             "activations | logits | "
              "no-grad pass | generation | peak per GPU | fits 80 GB |"),
             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     keys = ("weights", "gradients", "optimizer", "activations", "logits", "logprob_pass",
@@ -211,11 +228,11 @@ def measure(lora_rank: int, steps: int) -> None:
 
 def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
              response: int = 96) -> None:
-    """Train a random-init Qwen2.5-0.5B-shaped model (its real vocabulary size; random token ids, so no tokenizer is
-    needed) for a few AdamW steps through grpo.update_policy on this CPU, float32 compute, gradient checkpointing on
-    (so rows run whole, as under FSDP), and compare peak RSS with the formula's CPU figure plus the process's RSS
-    before the model existed. lora_rank > 0: adapters of that rank on every linear layer train
-    instead."""
+    """Train a random-init Qwen2.5-0.5B-shaped model (its real vocabulary size; random token ids, so
+    no tokenizer is needed) for a few AdamW steps through grpo.update_policy on this CPU, float32
+    compute, gradient checkpointing on (so rows run whole, as under FSDP), and compare peak RSS with
+    the formula's CPU figure plus the process's RSS before the model existed. lora_rank > 0:
+    adapters of that rank on every linear layer train instead."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -231,8 +248,10 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
     base = peak_rss()  # imports done: the interpreter's own share
     s = SHAPES["Qwen/Qwen2.5-0.5B"]
     model = AutoModelForCausalLM.from_config(Qwen2Config(
-        vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate, tie_word_embeddings=s.tied,
+        vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate,
+        tie_word_embeddings=s.tied,
         max_position_embeddings=4096))
     checkpoint_activations(model)
     model.config.use_cache = False
@@ -254,26 +273,37 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
     for step in range(steps):
         t0 = time.time()
         tokens = torch.randint(0, s.vocab, (B, L), generator=g)
-        batch = Rollouts(tokens=tokens, prompt_len=torch.full((B,), prompt), seq_len=torch.full((B,), L),
+        batch = Rollouts(tokens=tokens, prompt_len=torch.full((B,), prompt),
+                         seq_len=torch.full((B,), L),
                          behav_logp=torch.zeros(B, L), truncated=torch.zeros(B, dtype=torch.bool),
-                         prompt_idx=torch.arange(B), group=torch.arange(B) // 2, born=torch.zeros(B, dtype=torch.long),
-                         reward=torch.zeros(B), correct=torch.zeros(B, dtype=torch.bool), advantage=torch.randn(B, generator=g),
-                         entropy=torch.zeros(B), replayed=torch.zeros(B, dtype=torch.bool), onpolicy=torch.ones(B, dtype=torch.bool),
+                         prompt_idx=torch.arange(B), group=torch.arange(B) // 2,
+                         born=torch.zeros(B, dtype=torch.long),
+                         reward=torch.zeros(B), correct=torch.zeros(B, dtype=torch.bool),
+                         advantage=torch.randn(B, generator=g),
+                         entropy=torch.zeros(B), replayed=torch.zeros(B, dtype=torch.bool),
+                         onpolicy=torch.ones(B, dtype=torch.bool),
                          slot=torch.full((B,), -1))
-        _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, optimizer, batch, torch.device("cpu"))
+        _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, optimizer, batch,
+                                              torch.device("cpu"))
         peak = peak_rss()
-        print(f"step {step + 1}: {reasons[0] or 'ok'}, {time.time() - t0:.0f} s, peak RSS {peak / GB:.2f} GB")
-    e = estimate(s, gpus=1, fsdp=False, micro_batch=micro_batch, gen_batch=0, prompt=prompt, response=response,
+        print(f"step {step + 1}: {reasons[0] or 'ok'}, {time.time() - t0:.0f} s, "
+              f"peak RSS {peak / GB:.2f} GB")
+    e = estimate(s, gpus=1, fsdp=False, micro_batch=micro_batch, gen_batch=0, prompt=prompt,
+                 response=response,
                  act_bytes=4, lora_rank=lora_rank)
     expected = base + e["peak"]
-    print(f"formula: {' + '.join(f'{k} {v / GB:.2f}' for k, v in e.items() if 'peak' not in k)} GB; "
+    print("formula: "
+          f"{' + '.join(f'{k} {v / GB:.2f}' for k, v in e.items() if 'peak' not in k)} GB; "
           f"+ process before the model {base / GB:.2f} GB = {expected / GB:.2f} GB")
-    print(f"measured peak RSS {peak / GB:.2f} GB: {100 * (peak / expected - 1):+.1f} % against the formula")
+    print(f"measured peak RSS {peak / GB:.2f} GB: "
+          f"{100 * (peak / expected - 1):+.1f} % against the formula")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--measure", action="store_true", help="run the CPU measurement instead of printing the table")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--measure", action="store_true",
+                    help="run the CPU measurement instead of printing the table")
     ap.add_argument("--steps", type=int, default=2, help="2: AdamW's state exists from step 2 on")
     ap.add_argument("--lora", type=int, default=0, help="--measure with LoRA adapters of this rank")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -1,5 +1,6 @@
-"""Reproduce the replay claims at tiny scale: every config of a folder × 10 seeds on the embedded task, then
-the comparison table (eval.py --compare, the area to the shortest finished run's tokens) and its plot.
+"""Reproduce the replay claims at tiny scale: every config of a folder × 10 seeds on the embedded
+task, then the comparison table (eval.py --compare, the area to the shortest finished run's tokens)
+and its plot.
 
 Usage:
   python bench/reproduce_tiny.py                                      # configs/tiny/* -> runs/repro
@@ -7,16 +8,17 @@ Usage:
   python bench/reproduce_tiny.py --names none aper --seeds 0 1 --jobs 2
 
 Every `<configs>/<name>.yaml` but common.yaml is one arm (configs/tiny/: one per replay strategy in
-replay.STRATEGIES, plus dynamic.yaml, DAPO's dynamic sampling). The arms share their fresh rollouts per step and
-their steps, so the same generation budget; dynamic sampling's extra rounds and RLEP's phase I are generated
-tokens too and are counted in `tokens/generated_total`.
+replay.STRATEGIES, plus dynamic.yaml, DAPO's dynamic sampling). The arms share their fresh rollouts
+per step and their steps, so the same generation budget; dynamic sampling's extra rounds and RLEP's
+phase I are generated tokens too and are counted in `tokens/generated_total`.
 
-Order: the `none` runs go first; RLEP's phase I then samples 8 answers per training problem from the final model
-of `none` (first seed) and keeps the verified-correct ones with their token ids and behaviour log-probs (as RLEP
-collects them from a finished run; eval.py --save-correct, whose .meta.json gives the tokens phase I generated);
-then the other arms. A run already finished (summary.json present) is kept, so an interrupted reproduction can
-simply be started again; an unfinished one resumes from its newest checkpoint (--resume: bit-identical to
-an uninterrupted run), or is started over (--overwrite) if it saved none.
+Order: the `none` runs go first; RLEP's phase I then samples 8 answers per training problem from the
+final model of `none` (first seed) and keeps the verified-correct ones with their token ids and
+behaviour log-probs (as RLEP collects them from a finished run; eval.py --save-correct, whose
+.meta.json gives the tokens phase I generated); then the other arms. A run already finished
+(summary.json present) is kept, so an interrupted reproduction can simply be started again; an
+unfinished one resumes from its newest checkpoint (--resume: bit-identical to an uninterrupted run),
+or is started over (--overwrite) if it saved none.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from replay import STRATEGIES
 
 
 def arms(folder: Path) -> list[str]:
-    """The configs in `folder`: none first, then the strategies in registry order, then anything else."""
+    """The configs in `folder`: none first, then the strategies in registry order, then anything
+    else."""
     names = [p.stem for p in folder.glob("*.yaml") if p.stem != "common"]
     rank = {s: i for i, s in enumerate(["none", "dynamic", *STRATEGIES])}
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
@@ -50,7 +53,8 @@ def train(configs: Path, name: str, seed: int, out: Path, extra: list[str]) -> P
     if any(run.glob("checkpoints/step_*")):
         start = "--resume"
         print(f"[resume] {run}", flush=True)
-    cmd = [sys.executable, "train.py", "--config", str(configs / f"{name}.yaml"), f"--out_dir={run}", f"--seed={seed}",
+    cmd = [sys.executable, "train.py", "--config", str(configs / f"{name}.yaml"),
+           f"--out_dir={run}", f"--seed={seed}",
            start, f"--wandb.name={configs.name}-{name}-s{seed}", *extra]
     t0 = time.time()
     with open(out / f"{name}-s{seed}.log", "a") as log:
@@ -60,34 +64,45 @@ def train(configs: Path, name: str, seed: int, out: Path, extra: list[str]) -> P
 
 
 def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path:
-    """RLEP phase I from the final model of `none` seed `seed`: G samples per training problem with the rlep arm's
-    own sampling settings (`config` and the overrides); the verified-correct ones are kept."""
+    """RLEP phase I from the final model of `none` seed `seed`: G samples per training problem with
+    the rlep arm's own sampling settings (`config` and the overrides); the verified-correct ones are
+    kept."""
     phase1 = out / "rlep_phase1.jsonl"
     if not phase1.exists():
         cfg = load_config(str(config), extra)
         r = cfg.rollout
         subprocess.run(
-            [sys.executable, "eval.py", "--model", str(out / f"none-s{seed}" / "final"), "--benchmarks", "tiny_train",
-             "--k", str(r.group_size), "--temperature", str(r.temperature), "--top-p", str(r.top_p), "--top-k",
-             str(r.top_k), "--max-new-tokens", str(r.max_new_tokens), "--template", cfg.data.template,
-             "--batch-size", "256", "--save-correct", str(phase1), "--out-dir", str(out / "rlep_phase1"), "--overwrite"],
+            [sys.executable, "eval.py", "--model", str(out / f"none-s{seed}" / "final"),
+             "--benchmarks", "tiny_train",
+             "--k", str(r.group_size), "--temperature", str(r.temperature), "--top-p", str(r.top_p),
+             "--top-k", str(r.top_k), "--max-new-tokens", str(r.max_new_tokens),
+             "--template", cfg.data.template,
+             "--batch-size", "256", "--save-correct", str(phase1),
+             "--out-dir", str(out / "rlep_phase1"), "--overwrite"],
             cwd=REPO, check=True)
     return phase1
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="configs/tiny", help="folder with one <name>.yaml per arm")
-    ap.add_argument("--out", default=None, help="where the runs go (default runs/repro, runs/repro_<folder suffix>)")
-    ap.add_argument("--names", nargs="+", default=None, help="arms to run (default: every config in --configs)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="configs/tiny",
+                    help="folder with one <name>.yaml per arm")
+    ap.add_argument("--out", default=None,
+                    help="where the runs go (default runs/repro, runs/repro_<folder suffix>)")
+    ap.add_argument("--names", nargs="+", default=None,
+                    help="arms to run (default: every config in --configs)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
-    ap.add_argument("--jobs", type=int, default=2, help="training processes at once (each uses one thread)")
-    a, extra = ap.parse_known_args()  # anything else is passed to train.py as an override
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="training processes at once (each uses one thread)")
+    # anything else is passed to train.py as an override
+    a, extra = ap.parse_known_args()
     configs = (REPO / a.configs).resolve()
     available = arms(configs)
     names = a.names or available
     if not names or set(names) - set(available):
-        sys.exit(f"error: no {configs}/<name>.yaml for {sorted(set(names) - set(available)) or 'any arm'}; "
+        sys.exit(f"error: no {configs}/<name>.yaml for "
+                 f"{sorted(set(names) - set(available)) or 'any arm'}; "
                  f"available: {', '.join(available) or 'none'}")
     if "none" not in names:
         sys.exit("error: the comparison needs its baseline: include none")
@@ -96,10 +111,13 @@ def main() -> None:
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:
         list(pool.map(lambda s: train(configs, "none", s, out, extra), a.seeds))
-        rlep = [f"--replay.rlep_source={rlep_phase_one(out, a.seeds[0], configs / 'rlep.yaml', extra)}"] \
+        rlep = [(f"--replay.rlep_source="
+                 f"{rlep_phase_one(out, a.seeds[0], configs / 'rlep.yaml', extra)}")] \
             if "rlep" in names else []
         jobs = [(n, s) for n in names if n != "none" for s in a.seeds]
-        list(pool.map(lambda j: train(configs, j[0], j[1], out, extra + (rlep if j[0] == "rlep" else [])), jobs))
+        list(pool.map(lambda j: train(configs, j[0], j[1], out,
+                                      extra + (rlep if j[0] == "rlep" else [])),
+                      jobs))
     print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
     runs = [str(out / f"{n}-s{s}") for n in names for s in a.seeds]
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest"]

@@ -6,6 +6,7 @@ FSDP shards, the generation context that gathers FSDP weights once, and DDP's mi
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from contextlib import contextmanager, nullcontext
 
@@ -37,7 +38,12 @@ def init() -> tuple[int, int]:
 
 
 def close() -> None:
+    """Destroy the process group, after whatever holds it (DDP's reducer: train.py drops its
+    wrapper first). A reducer freed after the group holds its last reference, and gloo's group,
+    destroyed inside the reducer's destructor, waits for its worker threads while holding the GIL,
+    which a worker may be waiting for: a hang at exit (seen once in CI's torchrun tests)."""
     if dist.is_initialized():
+        gc.collect()  # a wrapper in a reference cycle is freed now, while the group still lives
         dist.destroy_process_group()
 
 

@@ -1,19 +1,24 @@
-"""Model folders shaped like real checkpoints, built in the tests (random tiny weights, nothing downloaded).
+"""Model folders shaped like real checkpoints, built in the tests (random tiny weights, nothing
+downloaded).
 
-Each follows the public files of one family: which special tokens exist, which one the tokenizer calls eos, the
-chat template's turn markers (and a default system prompt where the family has one), BOS handling, and a
-generation_config.json with that family's end-token list and sampling defaults:
+Each follows the public files of one family: which special tokens exist, which one the tokenizer
+calls eos, the chat template's turn markers (and a default system prompt where the family has
+one), BOS handling, and a generation_config.json with that family's end-token list and sampling
+defaults:
 
-  qwen25_instruct  Qwen2.5-Instruct: ChatML, eos <|im_end|>, generation_config eos [<|im_end|>, <|endoftext|>],
-                   repetition_penalty 1.05, temperature 0.7, top_p 0.8, top_k 20; default system turn
+  qwen25_instruct  Qwen2.5-Instruct: ChatML, eos <|im_end|>, generation_config eos [<|im_end|>,
+                   <|endoftext|>], repetition_penalty 1.05, temperature 0.7, top_p 0.8, top_k 20;
+                   default system turn
   qwen3_base       Qwen3-Base: ChatML template, but eos <|endoftext|> (the end of turn is not eos)
-  llama3_instruct  Llama-3-Instruct: BOS <|begin_of_text|> added by the tokenizer and written by the template,
-                   header tokens, eos <|eot_id|>, generation_config eos [<|end_of_text|>, <|eom_id|>, <|eot_id|>],
-                   temperature 0.6, top_p 0.9, no pad token
+  llama3_instruct  Llama-3-Instruct: BOS <|begin_of_text|> added by the tokenizer and written by
+                   the template, header tokens, eos <|eot_id|>, generation_config eos
+                   [<|end_of_text|>, <|eom_id|>, <|eot_id|>], temperature 0.6, top_p 0.9, no pad
+                   token
 
-`build(kind, folder, emit=...)` writes a folder that `AutoTokenizer` / `AutoModelForCausalLM` load. With `emit`, the
-weights are set so that the model deterministically continues a prompt with `emit` and then its end-of-turn token
-(a bigram chain: attention and MLP outputs are zeroed, so each next token depends on the current token only).
+`build(kind, folder, emit=...)` writes a folder that `AutoTokenizer` / `AutoModelForCausalLM`
+load. With `emit`, the weights are set so that the model deterministically continues a prompt
+with `emit` and then its end-of-turn token (a bigram chain: attention and MLP outputs are zeroed,
+so each next token depends on the current token only).
 
 `torchrun(...)` runs processes under torchrun; a `--worker` writes its result per rank with
 `write_result`, and `worker_results` runs one and reads what its ranks wrote.
@@ -41,69 +46,95 @@ from transformers import (
     Qwen3Config,
 )
 
-QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 CHATML = (
-    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 CHATML_DEFAULT_SYSTEM = (  # Qwen2.5-Instruct inserts a system turn when the conversation has none
-    "{%- if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
     "{%- endif %}" + CHATML
 )
 LLAMA3 = (
     "{{ bos_token }}{%- for m in messages %}"
-    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+    " + m['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
 KINDS = {
     "qwen25_instruct": {
-        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "eos": "<|im_end|>", "pad": "<|endoftext|>", "bos": None,
-        "template": CHATML_DEFAULT_SYSTEM, "end_of_turn": "<|im_end|>", "arch": "qwen2", "tokenizer_class": "Qwen2Tokenizer",
-        "generation": {"do_sample": True, "eos_token_id": ["<|im_end|>", "<|endoftext|>"], "pad_token_id": "<|endoftext|>",
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "eos": "<|im_end|>",
+        "pad": "<|endoftext|>", "bos": None,
+        "template": CHATML_DEFAULT_SYSTEM, "end_of_turn": "<|im_end|>", "arch": "qwen2",
+        "tokenizer_class": "Qwen2Tokenizer",
+        "generation": {"do_sample": True, "eos_token_id": ["<|im_end|>", "<|endoftext|>"],
+                        "pad_token_id": "<|endoftext|>",
                         "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}},
     "qwen3_base": {
-        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "eos": "<|endoftext|>", "pad": "<|endoftext|>", "bos": None,
-        "template": CHATML, "end_of_turn": "<|im_end|>", "arch": "qwen3", "tokenizer_class": "Qwen2Tokenizer",
-        "generation": {"eos_token_id": "<|endoftext|>", "bos_token_id": "<|endoftext|>", "max_new_tokens": 2048}},
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "eos": "<|endoftext|>",
+        "pad": "<|endoftext|>", "bos": None,
+        "template": CHATML, "end_of_turn": "<|im_end|>", "arch": "qwen3",
+        "tokenizer_class": "Qwen2Tokenizer",
+        "generation": {"eos_token_id": "<|endoftext|>", "bos_token_id": "<|endoftext|>",
+                        "max_new_tokens": 2048}},
     "llama3_instruct": {
-        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-                  "<|eot_id|>"],
-        "eos": "<|eot_id|>", "pad": None, "bos": "<|begin_of_text|>", "template": LLAMA3, "end_of_turn": "<|eot_id|>", "arch": "llama",
+        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                     "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>"],
+        "eos": "<|eot_id|>", "pad": None, "bos": "<|begin_of_text|>", "template": LLAMA3,
+        "end_of_turn": "<|eot_id|>", "arch": "llama",
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "generation": {"do_sample": True, "bos_token_id": "<|begin_of_text|>", "temperature": 0.6, "top_p": 0.9,
+        "generation": {"do_sample": True, "bos_token_id": "<|begin_of_text|>",
+                        "temperature": 0.6, "top_p": 0.9,
                         "eos_token_id": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]}},
 }
 
 
 def build_tokenizer(kind: str) -> PreTrainedTokenizerFast:
-    """Byte-level BPE over the 256 byte symbols (no merges), with the family's special tokens first."""
+    """Byte-level BPE over the 256 byte symbols (no merges), with the family's special tokens
+    first."""
     spec = KINDS[kind]
-    vocab = {t: i for i, t in enumerate(spec["specials"] + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab = {t: i for i, t in enumerate(spec["specials"]
+                                        + sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tok = Tokenizer(models.BPE(vocab, []))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     if spec["bos"]:  # Llama 3's tokenizer puts BOS in front of plain text itself
-        tok.post_processor = processors.TemplateProcessing(single=f"{spec['bos']} $A", pair=f"{spec['bos']} $A $B",
-                                                           special_tokens=[(spec["bos"], vocab[spec["bos"]])])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=spec["eos"], pad_token=spec["pad"], bos_token=spec["bos"],
-                                 additional_special_tokens=[t for t in spec["specials"] if t not in (spec["eos"], spec["pad"], spec["bos"])])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{spec['bos']} $A", pair=f"{spec['bos']} $A $B",
+            special_tokens=[(spec["bos"], vocab[spec["bos"]])])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=spec["eos"], pad_token=spec["pad"], bos_token=spec["bos"],
+        additional_special_tokens=[t for t in spec["specials"]
+                                   if t not in (spec["eos"], spec["pad"], spec["bos"])])
     hf.chat_template = spec["template"]
     return hf
 
 
 def build(kind: str, folder: Path, emit: str | None = None, seed: int = 0) -> Path:
-    """Write a model folder of `kind` (random weights, or the `emit` chain described in the module docstring)."""
+    """Write a model folder of `kind` (random weights, or the `emit` chain described in the
+    module docstring)."""
     spec, tok = KINDS[kind], build_tokenizer(kind)
     ids = {t: tok.convert_tokens_to_ids(t) for t in spec["specials"]}
-    common = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": emit is None,
-                  "eos_token_id": ids[spec["eos"]], "pad_token_id": ids[spec["pad"]] if spec["pad"] else None,
-                  "bos_token_id": ids[spec["bos"]] if spec["bos"] else None}
-    config = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[spec["arch"]](**common)
+    common = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 512,
+              "tie_word_embeddings": emit is None,
+              "eos_token_id": ids[spec["eos"]],
+              "pad_token_id": ids[spec["pad"]] if spec["pad"] else None,
+              "bos_token_id": ids[spec["bos"]] if spec["bos"] else None}
+    config = {"qwen2": Qwen2Config, "qwen3": Qwen3Config,
+              "llama": LlamaConfig}[spec["arch"]](**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     if emit is not None:
@@ -113,8 +144,10 @@ def build(kind: str, folder: Path, emit: str | None = None, seed: int = 0) -> Pa
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg | {"tokenizer_class": spec["tokenizer_class"]}, indent=2))
-    gen = {k: ([ids[x] for x in v] if isinstance(v, list) else ids.get(v, v) if isinstance(v, str) else v)
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(cfg | {"tokenizer_class": spec["tokenizer_class"]}, indent=2))
+    gen = {k: ([ids[x] for x in v] if isinstance(v, list)
+               else ids.get(v, v) if isinstance(v, str) else v)
            for k, v in spec["generation"].items()}
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return folder
@@ -122,15 +155,17 @@ def build(kind: str, folder: Path, emit: str | None = None, seed: int = 0) -> Pa
 
 def turn_start_token(tok) -> int:
     """The last token of a chat prompt (what the assistant's first token follows)."""
-    text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                   add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"][-1]
 
 
 @torch.no_grad()
 def set_chain(model, chain: list[int], margin: float = 60.0) -> None:
-    """Make `model` a bigram machine: after chain[i] it emits chain[i + 1] with probability ≈ 1 (logit margin 60).
-    Tokens of the chain must be distinct. Every layer's output projections are zeroed, so the residual stream is the
-    current token's embedding: one-hot per chain token, read out by lm_head rows."""
+    """Make `model` a bigram machine: after chain[i] it emits chain[i + 1] with probability ≈ 1
+    (logit margin 60). Tokens of the chain must be distinct. Every layer's output projections are
+    zeroed, so the residual stream is the current token's embedding: one-hot per chain token, read
+    out by lm_head rows."""
     if len(set(chain[:-1])) != len(chain) - 1:
         raise ValueError("set_chain: the chain's tokens must be distinct")
     for name, p in model.named_parameters():
@@ -141,7 +176,8 @@ def set_chain(model, chain: list[int], margin: float = 60.0) -> None:
     head.zero_()
     for d, (cur, nxt) in enumerate(itertools.pairwise(chain)):
         emb[cur, d] = 1.0
-        head[nxt, d] = margin / (emb.shape[1] ** 0.5 * model.model.norm.weight[d].item())  # RMSNorm(e_d) = √H·w_d·e_d
+        # RMSNorm(e_d) = √H·w_d·e_d
+        head[nxt, d] = margin / (emb.shape[1] ** 0.5 * model.model.norm.weight[d].item())
 
 
 # ---------------------------------------------------------------------------------------- torchrun

@@ -1,5 +1,6 @@
 """A replay strategy defined outside replay.py, as README's "How to add a replay strategy" shows:
-python train.py --config configs/tiny.yaml --replay.module=per_feedback --replay.strategy=per_feedback
+python train.py --config configs/tiny.yaml --replay.module=per_feedback
+    --replay.strategy=per_feedback
 (with this folder on PYTHONPATH). tests/test_replay_custom.py tests it and trains with it."""
 
 import torch

@@ -112,3 +112,19 @@ def test_budget_imports_of_this_repository():
         for name in names:
             if (ROOT / name).is_file():
                 assert budget.measure(ROOT / name)["imports"] == [], name
+
+
+def owned(path: Path) -> bool:
+    """A file of this repository: not in a run folder, a hidden folder (.venv) or a venv."""
+    ignored = {"runs", "wandb", "site-packages"}
+    return not any(part.startswith(".") or part in ignored for part in path.parts[:-1])
+
+
+def test_every_python_file_keeps_lines_of_at_most_100_characters():
+    """STYLE.md's line length holds beyond the reading path: tests, bench scripts, data/ too."""
+    files = [p for p in sorted(ROOT.rglob("*.py")) if owned(p.relative_to(ROOT))]
+    long = []
+    for p in files:
+        lines = enumerate(p.read_text().splitlines(), 1)
+        long += [f"{p.relative_to(ROOT)}:{n}" for n, x in lines if len(x) > budget.MAX_CHARS]
+    assert long == [], long[:20]

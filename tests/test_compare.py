@@ -431,9 +431,9 @@ def test_reproduce_tiny_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_
 
 
 def test_area_budget_shortest_is_the_smallest_finished_run(tmp_path, capsys):
-    """--budget shortest: none's runs end at 600 and 540 tokens, an aper run at 534 and an unfinished
-    one (no summary.json, so no step-0 eval) at 300: the budget is 534 and every finished run counts;
-    the unfinished run is left out and does not thin the others' evals."""
+    """--budget shortest: none's runs end at 600 and 540 tokens, an aper run at 534 and an
+    unfinished one (no summary.json, so no step-0 eval) at 300: the budget is 534 and every finished
+    run counts; the unfinished run is left out and does not thin the others' evals."""
     runs = [train_run(tmp_path, "none", 0, [0.2, 0.3, 0.4, 0.5]),
             train_run(tmp_path, "none", 1, [0.2, 0.3, 0.4, 0.5], per_step=90),
             train_run(tmp_path, "aper", 0, [0.2, 0.4, 0.5, 0.6], per_step=89),

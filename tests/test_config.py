@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_defaults_yaml_then_cli(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("seed: 3\noptim:\n  lr: 0.5\nreplay:\n  strategy: uniform\n")
-    cfg = load_config(str(f), ["--optim.lr=1e-5", "--replay.tau_max", "7", "--model.gradient_checkpointing=true"])
+    cfg = load_config(str(f), ["--optim.lr=1e-5", "--replay.tau_max", "7",
+                               "--model.gradient_checkpointing=true"])
     assert isinstance(cfg, Config)
     assert cfg.seed == 3  # from YAML
     assert cfg.optim.lr == 1e-5  # CLI beats YAML
@@ -49,8 +50,8 @@ def test_wrong_type_in_yaml_and_missing_file(tmp_path):
         load_config(str(tmp_path / "nope.yaml"), [])
 
 
-# Every setting that would crash later or be silently reinterpreted: one message naming the key, from validate
-# itself (which never raises anything else, whatever the values).
+# Every setting that would crash later or be silently reinterpreted: one message naming the key,
+# from validate itself (which never raises anything else, whatever the values).
 BAD_SETTINGS = [
     ("--rollout.group_size=1", "rollout.group_size must be ≥ 2"),
     ("--rollout.group_size=0", "rollout.group_size must be ≥ 2"),
@@ -63,7 +64,8 @@ BAD_SETTINGS = [
     ("--optim.lr=inf", "optim.lr must be in (0, 1]"),
     ("--optim.lr=1e30", "optim.lr must be in (0, 1]"),
     ("--optim.minibatches=0", "optim.minibatches must be ≥ 1"),
-    ("--optim.minibatches=3", "optim.minibatches must be a divisor of the prompts per step (32), got 3"),
+    ("--optim.minibatches=3",
+     "optim.minibatches must be a divisor of the prompts per step (32), got 3"),
     ("--optim.schedule=linear", "optim.schedule must be constant or cosine"),
     ("--threads=-1", "threads must be in [0, 1024]"),
     ("--seed=-1", "seed must be in [0, 2^32)"),
@@ -107,7 +109,8 @@ ONCE = [
     (["--grpo.engine_is_cap=0.5"], "grpo.engine_is_cap must be 0 (off) or ≥ 1"),
     (["--replay.advantage=fresh"], "replay.advantage must be stored or recompute"),
     (["--replay.rlep_source=x.jsonl"], "replay.rlep_source must be empty: it is read by rlep only"),
-    (["--replay.strategy=uniform", "--replay.ratio=1"], "replay.ratio must be in [0, 1) for uniform"),
+    (["--replay.strategy=uniform", "--replay.ratio=1"],
+     "replay.ratio must be in [0, 1) for uniform"),
     (["--replay.strategy=uniform", "--replay.max_age=-1"], "replay.max_age must be ≥ 0"),
     (["--replay.strategy=aper", "--replay.ratio=5"], "replay.ratio must be in [0, 4] for aper"),
     (["--replay.strategy=aper", "--replay.alpha=100"], "replay.alpha must be in [0, 100)"),
@@ -139,7 +142,8 @@ def test_cuda_without_a_gpu():
 
 
 def test_removed_keys_say_what_replaced_them():
-    with pytest.raises(ConfigError, match="model.dtype was removed: master weights are always float32"):
+    with pytest.raises(ConfigError,
+                       match="model.dtype was removed: master weights are always float32"):
         load_config(None, ["--model.dtype=bfloat16"])
 
 
@@ -157,7 +161,8 @@ def test_bad_config_files(tmp_path, content, message):
 
 
 def test_yaml_alias_bomb_gives_a_short_message(tmp_path):
-    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    lines = (["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+             + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)])
     f = tmp_path / "bomb.yaml"
     f.write_text("\n".join(lines) + "\nseed: *a8\n")
     with pytest.raises(ConfigError) as e:
@@ -173,7 +178,8 @@ def test_every_shipped_config_resolves():
 def test_cli_bad_override_one_line_exit_2(tmp_path):
     out = tmp_path / "run"
     p = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/tiny.yaml", f"--out_dir={out}", "--optim.lrr=1"],
+        [sys.executable, "train.py", "--config", "configs/tiny.yaml", f"--out_dir={out}",
+         "--optim.lrr=1"],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
     )
     assert p.returncode == 2

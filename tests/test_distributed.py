@@ -9,6 +9,7 @@ any collective on a host tensor fails with "No backend type associated with devi
 """
 
 import datetime
+import gc
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from fixtures import torchrun
 
 import train
@@ -57,6 +59,8 @@ def worker(opts: dict, args: list[str]) -> None:
         checkpoint.restore = probed
     if "loads" in opts:
         count_loads(Path(opts["loads"]))
+    if "teardown" in opts:
+        count_wrappers_at_teardown(Path(opts["teardown"]))
     sys.exit(train.main(args))
 
 
@@ -78,6 +82,20 @@ def count_loads(out: Path) -> None:
 
     models.AutoModelForCausalLM.from_pretrained = counted
     atexit.register(write)
+
+
+def count_wrappers_at_teardown(out: Path) -> None:
+    """Record, per rank, the DDP wrappers alive when the process group is destroyed (into
+    out/wrappers<rank>.json). A wrapper's reducer freed after its group holds the group's last
+    reference, and gloo's group destroyed there can hang the exit (support/parallel.close)."""
+    destroy = dist.destroy_process_group
+
+    def counted(*a, **kw):
+        alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+        (out / f"wrappers{dist.get_rank()}.json").write_text(json.dumps(alive))
+        return destroy(*a, **kw)
+
+    dist.destroy_process_group = counted
 
 
 def probe(model, optimizer, replay, out: Path) -> None:
@@ -169,7 +187,7 @@ def test_nccl_like_backend_map_without_cpu_fails_on_host_collectives():
 def test_nccl_backend_map_runs_setup_eval_step_checkpoint_resume(tmp_path, parallel):
     """train.py's own map for a GPU, its accelerator backend played by gloo (NCCL needs a GPU):
     set-up, the step-0 eval, steps with replay, checkpoints, a stop signal's agreement, --resume,
-    final/."""
+    final/; at the end no DDP wrapper outlives the process group (else the exit can hang)."""
     backend = backend_map("cuda").replace("nccl", "gloo")
     assert backend == "cpu:gloo,cuda:gloo"
     out = tmp_path / "run"
@@ -181,9 +199,12 @@ def test_nccl_backend_map_runs_setup_eval_step_checkpoint_resume(tmp_path, paral
         f"--model.parallel={parallel}",
         "--replay.strategy=uniform",
         "--replay.ratio=0.25",
+        f"--teardown={tmp_path}",
     ]
     torchrun(*common, "--max_steps=1")
     assert (out / "checkpoints" / "step_000001").is_dir()
+    wrappers = [json.loads((tmp_path / f"wrappers{i}.json").read_text()) for i in range(2)]
+    assert wrappers == [0, 0], "a DDP wrapper lived on when the process group was destroyed"
     r = torchrun(*common, "--max_steps=2", "--resume")
     assert "resuming from" in r.stderr
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
@@ -381,5 +402,6 @@ def test_world_size_2_reads_the_model_on_rank_0_only(tmp_path, parallel):
 if __name__ == "__main__" and sys.argv[1].startswith("--control="):
     host_collectives(sys.argv[1].partition("=")[2])
 elif __name__ == "__main__":
-    flags = [a for a in sys.argv[1:] if a.startswith(("--backend=", "--probe=", "--loads="))]
+    named = ("--backend=", "--probe=", "--loads=", "--teardown=")
+    flags = [a for a in sys.argv[1:] if a.startswith(named)]
     worker(dict(a[2:].split("=", 1) for a in flags), [a for a in sys.argv[1:] if a not in flags])

@@ -277,6 +277,7 @@ def worker(mode: str, folder: str, out: str) -> None:
     (gate forced closed), the model wrapped as train.py wraps it; writes the updates and metrics."""
     import torch.distributed as dist
 
+    from support import parallel
     from support.models import load_policy
 
     torch.set_num_threads(1)
@@ -290,7 +291,8 @@ def worker(mode: str, folder: str, out: str) -> None:
         delta, metrics, reasons = sgd_update(policy, model, batch, cfg, compute)
         result[name] = {"delta": delta.tolist(), "metrics": metrics, "reasons": reasons}
     write_result(out, result)
-    dist.destroy_process_group()
+    del model, policy  # DDP's wrapper goes before its process group
+    parallel.close()
 
 
 def sgd_update(policy, model, batch, cfg, compute=None):
@@ -303,8 +305,8 @@ def sgd_update(policy, model, batch, cfg, compute=None):
 
     before = flat()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, policy, opt, batch, CPU,
-                                                compute or contextlib.nullcontext())
+    metrics, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, policy, opt, batch,
+                                                CPU, compute or contextlib.nullcontext())
     return before - flat(), metrics, reasons
 
 
@@ -361,8 +363,8 @@ def test_epochs_arms_have_their_own_compare_label(tmp_path):
 
     from support.compare import load_run
 
-    cases = [(1, 0.0, "none", "none"), (2, 0.0, "none", "epochs2"), (4, 1.0, "none", "epochs4+gate"),
-             (2, 0.0, "aper", "aper+epochs2")]
+    cases = [(1, 0.0, "none", "none"), (2, 0.0, "none", "epochs2"),
+             (4, 1.0, "none", "epochs4+gate"), (2, 0.0, "aper", "aper+epochs2")]
     for epochs, gate, strategy, label in cases:
         run = tmp_path / label
         run.mkdir()

@@ -12,7 +12,8 @@ from support import stages
 from support.greso import PromptSkip, SkipConfig
 
 ON = SkipConfig(enabled=True)  # (off, choose takes the next n and update learns nothing)
-SURE = SkipConfig(enabled=True, floor=1e-9)  # a long run at p_min skips with 1 − 1e-9: never drawn as kept
+# a long run at p_min skips with 1 − 1e-9: never drawn as kept
+SURE = SkipConfig(enabled=True, floor=1e-9)
 
 
 def visit(sk, prompt, *means):

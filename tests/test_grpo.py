@@ -32,7 +32,8 @@ def leaf(x):
 
 # ---------------------------------------------------------------- advantages
 
-# Groups 7 (rows 0, 2, 4), 3 (rows 1, 3) and 9 (rows 5, 6, all equal): not adjacent, ids not contiguous.
+# Groups 7 (rows 0, 2, 4), 3 (rows 1, 3) and 9 (rows 5, 6, all equal): not adjacent, ids not
+# contiguous.
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 2.0, 2.0]
 GROUPS = [7, 3, 7, 3, 7, 9, 9]
 
@@ -41,8 +42,10 @@ def test_group_advantages_group_scale():
     r, g = t(REWARDS), torch.tensor(GROUPS)
     r0, g0 = r.clone(), g.clone()
     adv, metrics = group_advantages(r, g, scale="group", eps=0.0)
-    # group 7: mean 1/3, unbiased std sqrt(1/3); group 3: mean 1/2, std sqrt(1/2); group 9: zero variance
-    expected = [1.1547005383792515, -0.7071067811865475, -0.5773502691896257, 0.7071067811865475, -0.5773502691896257, 0.0, 0.0]
+    # group 7: mean 1/3, unbiased std sqrt(1/3); group 3: mean 1/2, std sqrt(1/2);
+    # group 9: zero variance
+    expected = [1.1547005383792515, -0.7071067811865475, -0.5773502691896257, 0.7071067811865475,
+                -0.5773502691896257, 0.0, 0.0]
     torch.testing.assert_close(adv, t(expected), rtol=0, atol=1e-12)
     assert metrics["adv/zero_std_frac"] == pytest.approx(1 / 3)
     assert metrics["adv/groups"] == 3
@@ -52,25 +55,30 @@ def test_group_advantages_group_scale():
 def test_group_advantages_eps_in_denominator():
     adv, _ = group_advantages(t([0.0, 1.0]), torch.tensor([0, 0]), scale="group", eps=0.5)
     # std = sqrt(1/2) = 0.70710678; A = ±0.5 / (0.70710678 + 0.5)
-    torch.testing.assert_close(adv, t([-0.41421356237309503, 0.41421356237309503]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(adv, t([-0.41421356237309503, 0.41421356237309503]),
+                               rtol=0, atol=1e-12)
 
 
 def test_group_advantages_batch_scale():
     adv, _ = group_advantages(t(REWARDS), torch.tensor(GROUPS), scale="batch", eps=0.0)
-    # centred rewards 2/3, -1/2, -1/3, 1/2, -1/3, 0, 0; their unbiased std over the 7 rows is sqrt(7)/6 = 0.440958552
-    expected = [1.5118578920369088, -1.1338934190276817, -0.7559289460184544, 1.1338934190276817, -0.7559289460184544, 0.0, 0.0]
+    # centred rewards 2/3, -1/2, -1/3, 1/2, -1/3, 0, 0; their unbiased std over the 7 rows is
+    # sqrt(7)/6 = 0.440958552
+    expected = [1.5118578920369088, -1.1338934190276817, -0.7559289460184544, 1.1338934190276817,
+                -0.7559289460184544, 0.0, 0.0]
     torch.testing.assert_close(adv, t(expected), rtol=0, atol=1e-12)
 
 
 def test_group_advantages_no_scale():
     adv, _ = group_advantages(t(REWARDS), torch.tensor(GROUPS), scale="none")
-    torch.testing.assert_close(adv, t([2 / 3, -0.5, -1 / 3, 0.5, -1 / 3, 0.0, 0.0]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(adv, t([2 / 3, -0.5, -1 / 3, 0.5, -1 / 3, 0.0, 0.0]),
+                               rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_zero_variance_groups_get_exactly_zero(scale):
-    # 0.1 summed three times is not 0.3, so the group mean differs from 0.1 by round-off; with eps = 0 a naive
-    # (r - mean) / std would be ±1 or NaN here. The single-row group 5 is zero-variance too.
+    # 0.1 summed three times is not 0.3, so the group mean differs from 0.1 by round-off; with
+    # eps = 0 a naive (r - mean) / std would be ±1 or NaN here. The single-row group 5 is
+    # zero-variance too.
     r = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 3.0], dtype=torch.float32)
     adv, metrics = group_advantages(r, torch.tensor([2, 2, 2, 4, 4, 5]), scale=scale, eps=0.0)
     assert adv.dtype == torch.float32
@@ -86,7 +94,8 @@ def test_group_stats_hand_computed():
     torch.testing.assert_close(s.mean, t([0.5, 1 / 3, 2.0]), rtol=0, atol=1e-15)
     torch.testing.assert_close(s.std, t([0.5**0.5, (1 / 3) ** 0.5, 0.0]), rtol=0, atol=1e-15)
     assert s.flat.tolist() == [False, False, True]
-    one = group_stats(t([0.1, 0.1, 0.1, 4.0]), torch.tensor([0, 0, 0, 1]))  # round-off in the mean: std > 0
+    # round-off in the mean: std > 0
+    one = group_stats(t([0.1, 0.1, 0.1, 4.0]), torch.tensor([0, 0, 0, 1]))
     assert one.flat.tolist() == [True, True] and one.std[0] > 0 and one.std[1] == 0
 
 
@@ -145,12 +154,16 @@ def test_token_logprobs_hand_values_with_temperature():
     model = Bigram(BIGRAM.clone())
     tokens, am = torch.tensor([[0, 1, 2, 0]]), torch.tensor([[1, 1, 1, 0]])
     logp, ent = token_logprobs(model, tokens, am, temperature=1.0)
-    torch.testing.assert_close(logp, t([[0.0, math.log(0.25), math.log(0.7), 0.0]]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(logp, t([[0.0, math.log(0.25), math.log(0.7), 0.0]]),
+                               rtol=0, atol=1e-12)
     assert ent is None
-    # T = 2 turns probabilities p into sqrt(p) / sum(sqrt(p)): [0.41421, 0.29289, 0.29289] and [0.19763, 0.27949, 0.52288]
+    # T = 2 turns probabilities p into sqrt(p) / sum(sqrt(p)): [0.41421, 0.29289, 0.29289] and
+    # [0.19763, 0.27949, 0.52288]
     logp, ent = token_logprobs(model, tokens, am, temperature=2.0, with_entropy=True)
-    torch.testing.assert_close(logp, t([[0.0, -1.2279471772995156, -0.6484044667392591, 0.0]]), rtol=0, atol=1e-12)
-    torch.testing.assert_close(ent, t([[0.0, 1.0843916958452147, 1.0157572668600388, 0.0]]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(logp, t([[0.0, -1.2279471772995156, -0.6484044667392591, 0.0]]),
+                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, t([[0.0, 1.0843916958452147, 1.0157572668600388, 0.0]]),
+                               rtol=0, atol=1e-12)
     assert logp.requires_grad and not ent.requires_grad  # entropy is measured, never differentiated
 
 
@@ -172,7 +185,8 @@ def test_token_logprobs_matches_manual_log_softmax():
 
 
 def make_batch(B=6, L=9, seed=0):
-    """Right-padded rows `prompt | completion | pad` of different lengths, as rollout.py builds them."""
+    """Right-padded rows `prompt | completion | pad` of different lengths, as rollout.py builds
+    them."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, 7, (B, L), generator=g)
     prompt_len = torch.tensor([2, 3, 2, 2, 3, 2])[:B]
@@ -187,12 +201,16 @@ def make_batch(B=6, L=9, seed=0):
 # ---------------------------------------------------------------- policy loss: hand values
 
 
-def run(cfg, logp, behav, adv, mask, onpolicy, *, n_seqs=None, n_tokens=None, max_new_tokens=4, **kw):
-    """policy_loss with totals defaulting to this batch; returns loss, d loss / d logp and metrics."""
+def run(cfg, logp, behav, adv, mask, onpolicy, *, n_seqs=None, n_tokens=None, max_new_tokens=4,
+        **kw):
+    """policy_loss with totals defaulting to this batch; returns loss, d loss / d logp and
+    metrics."""
     mask = torch.tensor(mask)
     n_seqs = len(adv) if n_seqs is None else n_seqs
     n_tokens = int(mask.sum()) if n_tokens is None else n_tokens
-    loss, metrics = policy_loss(logp, behav, t(adv), mask, torch.tensor(onpolicy), cfg, n_seqs=n_seqs, n_tokens=n_tokens, max_new_tokens=max_new_tokens, **kw)
+    loss, metrics = policy_loss(logp, behav, t(adv), mask, torch.tensor(onpolicy), cfg,
+                                n_seqs=n_seqs, n_tokens=n_tokens, max_new_tokens=max_new_tokens,
+                                **kw)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss.item(), grad, metrics
 
@@ -209,7 +227,8 @@ def test_aggregations(agg, loss, g0, g1):
     # on-policy (ratio 1): per-token loss is -A. Row 0: A = 1, 2 tokens; row 1: A = -0.5, 3 tokens.
     mask = [[False, True, True, False], [False, True, True, True]]
     logp = leaf([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, -0.3, -0.2]])
-    got, grad, m = run(GRPOConfig(loss_agg=agg), logp, torch.zeros(2, 4, dtype=F64), [1.0, -0.5], mask, [True, True])
+    got, grad, m = run(GRPOConfig(loss_agg=agg), logp, torch.zeros(2, 4, dtype=F64), [1.0, -0.5],
+                       mask, [True, True])
     assert got == pytest.approx(loss, abs=1e-12)
     torch.testing.assert_close(grad, t([[0.0, g0, g0, 0.0], [0.0, g1, g1, g1]]), rtol=0, atol=1e-12)
     assert m["tokens"] == 5 and m["clip_low"] == m["clip_high"] == 0
@@ -227,11 +246,13 @@ ONE_TOKEN = [[False, True]] * 4
 
 def test_clip_low_and_high():
     logp = leaf(CLIP_LOGP)
-    loss, grad, m = run(GRPOConfig(loss_agg="dapo"), logp, torch.zeros(4, 2, dtype=F64), CLIP_ADV, ONE_TOKEN, [False] * 4)
+    loss, grad, m = run(GRPOConfig(loss_agg="dapo"), logp, torch.zeros(4, 2, dtype=F64), CLIP_ADV,
+                        ONE_TOKEN, [False] * 4)
     assert loss == pytest.approx(0.13, abs=1e-12)  # (0.8 + 1.5 - 1.28 - 0.5) / 4
     torch.testing.assert_close(grad[:, 1], t([0.0, 0.375, 0.0, -0.125]), rtol=0, atol=1e-12)
     assert m["clip_low"] == 1 and m["clip_high"] == 1 and m["clip_dual"] == 0
-    assert m["approx_kl"] == pytest.approx(0.5753641449035618, abs=1e-12)  # 2·(0.5 - ln 1.5) + 2·(-0.5 + ln 2)
+    # 2·(0.5 - ln 1.5) + 2·(-0.5 + ln 2)
+    assert m["approx_kl"] == pytest.approx(0.5753641449035618, abs=1e-12)
     assert m["is_weight_min"] == pytest.approx(0.5) and m["is_weight_max"] == pytest.approx(1.5)
 
 
@@ -243,25 +264,29 @@ def test_symmetric_clip():
 
 
 def test_dual_clip():
-    # A = -1 with ratio 5: max(5, 1.28) = 5 is bounded at c·|A| = 3, grad 0. A = -1 with ratio 2: 2 < 3, untouched,
-    # grad 2. A = +1 with ratio 5: dual clip never applies to positive advantages, high clip gives -1.28.
+    # A = -1 with ratio 5: max(5, 1.28) = 5 is bounded at c·|A| = 3, grad 0. A = -1 with ratio 2:
+    # 2 < 3, untouched, grad 2. A = +1 with ratio 5: dual clip never applies to positive advantages,
+    # high clip gives -1.28.
     logp = leaf([[0.0, math.log(5.0)], [0.0, math.log(2.0)], [0.0, math.log(5.0)]])
     behav, mask = torch.zeros(3, 2, dtype=F64), [[False, True]] * 3
-    loss, grad, m = run(GRPOConfig(loss_agg="dapo", dual_clip=3.0), logp, behav, [-1.0, -1.0, 1.0], mask, [False] * 3)
+    loss, grad, m = run(GRPOConfig(loss_agg="dapo", dual_clip=3.0), logp, behav, [-1.0, -1.0, 1.0],
+                        mask, [False] * 3)
     assert loss == pytest.approx(1.24, abs=1e-12)  # (3 + 2 - 1.28) / 3
     torch.testing.assert_close(grad[:, 1], t([0.0, 2 / 3, 0.0]), rtol=0, atol=1e-12)
     assert m["clip_dual"] == 1 and m["clip_high"] == 1
-    loss_off, _, _ = run(GRPOConfig(loss_agg="dapo"), leaf(logp.detach().tolist()), behav, [-1.0, -1.0, 1.0], mask, [False] * 3)
+    loss_off, _, _ = run(GRPOConfig(loss_agg="dapo"), leaf(logp.detach().tolist()), behav,
+                         [-1.0, -1.0, 1.0], mask, [False] * 3)
     assert loss_off == pytest.approx(1.9066666666666667, abs=1e-12)  # (5 + 2 - 1.28) / 3 without it
 
 
 def test_k3_kl():
-    # A = 0, so only the KL term: d = ln 0.25 - ln 0.5 = -ln 2, exp(d) - d - 1 = 0.5 + ln 2 - 1 = 0.19314718;
-    # second token has ref = logp, KL 0. d/dlogp of the k3 term is 1 - exp(d) = 0.5.
+    # A = 0, so only the KL term: d = ln 0.25 - ln 0.5 = -ln 2, exp(d) - d - 1 = 0.5 + ln 2 - 1 =
+    # 0.19314718; second token has ref = logp, KL 0. d/dlogp of the k3 term is 1 - exp(d) = 0.5.
     logp = leaf([[0.0, math.log(0.5), math.log(0.5)]])
     ref = t([[0.0, math.log(0.25), math.log(0.5)]])
     cfg = GRPOConfig(loss_agg="dapo", beta=0.1)
-    loss, grad, m = run(cfg, logp, logp.detach(), [0.0], [[False, True, True]], [True], ref_logp=ref)
+    loss, grad, m = run(cfg, logp, logp.detach(), [0.0], [[False, True, True]], [True],
+                        ref_logp=ref)
     assert loss == pytest.approx(0.00965735902799727, abs=1e-12)  # 0.1 · 0.19314718 / 2
     torch.testing.assert_close(grad, t([[0.0, 0.025, 0.0]]), rtol=0, atol=1e-12)
     assert m["kl_ref"] == pytest.approx(0.1931471805599454, abs=1e-12)
@@ -270,19 +295,22 @@ def test_k3_kl():
 
 
 def test_decoupled_weights_truncation_and_onpolicy_rows():
-    # logp = prox (ratio 1). Row 0: π_prox/μ = 0.6/0.4 = 1.5. Row 1: 0.9/0.3 = 3, truncated at C = 2.
-    # Row 2 is on-policy: its μ (0.1) is ignored and the weight is exactly 1, although π_prox/μ would be 5.
+    # logp = prox (ratio 1). Row 0: π_prox/μ = 0.6/0.4 = 1.5. Row 1: 0.9/0.3 = 3, truncated at
+    # C = 2. Row 2 is on-policy: its μ (0.1) is ignored and the weight is exactly 1, although
+    # π_prox/μ would be 5.
     prox = t([[0.0, math.log(0.6)], [0.0, math.log(0.9)], [0.0, math.log(0.5)]])
     behav = t([[0.0, math.log(0.4)], [0.0, math.log(0.3)], [0.0, math.log(0.1)]])
     logp = leaf(prox.tolist())
     cfg = GRPOConfig(loss_agg="dapo", offpolicy="decoupled", is_cap=2.0)
-    loss, grad, m = run(cfg, logp, behav, [1.0, 1.0, -1.0], [[False, True]] * 3, [False, False, True], prox_logp=prox)
+    loss, grad, m = run(cfg, logp, behav, [1.0, 1.0, -1.0], [[False, True]] * 3,
+                        [False, False, True], prox_logp=prox)
     assert loss == pytest.approx(-2.5 / 3, abs=1e-12)  # (-1.5 - 2 + 1) / 3
     torch.testing.assert_close(grad[:, 1], t([-0.5, -2 / 3, 1 / 3]), rtol=0, atol=1e-12)
     assert m["is_capped"] == 1
     assert m["is_weight_min"] == 1.0  # the on-policy row, exactly
     assert m["is_weight_max"] == pytest.approx(3.0, abs=1e-12)  # reported before truncation
-    assert m["is_weight_mean"] == pytest.approx(5.5, abs=1e-12)  # a token sum: / tokens once added up
+    # a token sum: / tokens once added up
+    assert m["is_weight_mean"] == pytest.approx(5.5, abs=1e-12)
 
 
 def test_replayed_row_clipped_against_mu_or_prox():
@@ -290,25 +318,32 @@ def test_replayed_row_clipped_against_mu_or_prox():
     prox, behav = t([[0.0, math.log(0.6)]]), t([[0.0, math.log(0.4)]])
     logp = leaf([[0.0, math.log(0.63)]])
     # behaviour: ratio π/μ = 1.575 > 1.28 -> clipped, loss -1.28, no gradient
-    loss, grad, m = run(GRPOConfig(loss_agg="dapo"), logp, behav, [1.0], [[False, True]], [False], prox_logp=prox)
+    loss, grad, m = run(GRPOConfig(loss_agg="dapo"), logp, behav, [1.0], [[False, True]], [False],
+                        prox_logp=prox)
     assert loss == pytest.approx(-1.28, abs=1e-12) and grad[0, 1] == 0 and m["clip_high"] == 1
     assert m["is_weight_max"] == pytest.approx(1.5, abs=1e-12)
-    # decoupled: ratio π/π_prox = 1.05 is inside the trust region, weight 1.5 -> loss -1.575, grad -1.575
+    # decoupled: ratio π/π_prox = 1.05 is inside the trust region, weight 1.5 -> loss -1.575,
+    # grad -1.575
     cfg = GRPOConfig(loss_agg="dapo", offpolicy="decoupled")
     loss, grad, m = run(cfg, logp, behav, [1.0], [[False, True]], [False], prox_logp=prox)
-    assert loss == pytest.approx(-1.575, abs=1e-12) and grad[0, 1].item() == pytest.approx(-1.575, abs=1e-12)
+    assert (loss == pytest.approx(-1.575, abs=1e-12)
+            and grad[0, 1].item() == pytest.approx(-1.575, abs=1e-12))
     assert m["clip_high"] == 0 and m["is_capped"] == 0
-    # the same row flagged on-policy: its μ is ignored in both modes -> ratio π/π_prox = 1.05, weight 1, loss -1.05
+    # the same row flagged on-policy: its μ is ignored in both modes -> ratio π/π_prox = 1.05,
+    # weight 1, loss -1.05
     for mode in MODES:
-        loss, _, m = run(GRPOConfig(loss_agg="dapo", offpolicy=mode), logp, behav, [1.0], [[False, True]], [True], prox_logp=prox)
+        loss, _, m = run(GRPOConfig(loss_agg="dapo", offpolicy=mode), logp, behav, [1.0],
+                         [[False, True]], [True], prox_logp=prox)
         assert loss == pytest.approx(-1.05, abs=1e-12) and m["is_weight_max"] == 1.0
 
 
 def test_onpolicy_behaviour_mode_ignores_stored_mu():
-    # μ differs from the training forward (here by a lot, really by KV-cache numerics): an on-policy row still has
-    # ratio exactly 1 in behaviour mode, while a replayed row with the same numbers is clipped.
+    # μ differs from the training forward (here by a lot, really by KV-cache numerics): an on-policy
+    # row still has ratio exactly 1 in behaviour mode, while a replayed row with the same numbers is
+    # clipped.
     logp, behav = leaf([[0.0, math.log(0.5)]] * 2), t([[0.0, math.log(0.1)]] * 2)
-    loss, grad, m = run(GRPOConfig(loss_agg="dapo"), logp, behav, [1.0, 1.0], [[False, True]] * 2, [True, False])
+    loss, grad, m = run(GRPOConfig(loss_agg="dapo"), logp, behav, [1.0, 1.0], [[False, True]] * 2,
+                        [True, False])
     assert loss == pytest.approx((-1.0 - 1.28) / 2, abs=1e-12)
     torch.testing.assert_close(grad[:, 1], t([-0.5, 0.0]), rtol=0, atol=1e-12)
     assert m["clip_high"] == 1 and m["approx_kl"] == pytest.approx(5 - 1 - math.log(5), abs=1e-12)
@@ -337,18 +372,21 @@ def test_onpolicy_gradient_is_plain_policy_gradient(agg, mode):
     n_seqs, n_tokens, max_new = 6, int(mask.sum()), 8
 
     logp, _ = token_logprobs(model, tokens, am, temperature=0.9)
-    loss, m = policy_loss(logp, behav, adv, mask, torch.ones(6, dtype=torch.bool), cfg, n_seqs=n_seqs, n_tokens=n_tokens, max_new_tokens=max_new)
+    loss, m = policy_loss(logp, behav, adv, mask, torch.ones(6, dtype=torch.bool), cfg,
+                          n_seqs=n_seqs, n_tokens=n_tokens, max_new_tokens=max_new)
     grads = torch.autograd.grad(loss, list(model.parameters()))
 
     # REINFORCE surrogate -A·log π, with each aggregation's normaliser written per token
     logp, _ = token_logprobs(model, tokens, am, temperature=0.9)
-    per_seq = {"grpo": mask.sum(1, keepdim=True) * n_seqs, "dapo": n_tokens, "dr_grpo": n_seqs * max_new}[agg]
+    per_seq = {"grpo": mask.sum(1, keepdim=True) * n_seqs, "dapo": n_tokens,
+               "dr_grpo": n_seqs * max_new}[agg]
     surrogate = (-adv[:, None] * logp * mask / per_seq).sum()
     expected = torch.autograd.grad(surrogate, list(model.parameters()))
     for a, b in zip(grads, expected):
         assert b.abs().max() > 1e-3
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    assert loss.item() == pytest.approx(-(adv[:, None] * mask / per_seq).sum().item(), abs=1e-12)  # ratio 1
+    # ratio 1
+    assert loss.item() == pytest.approx(-(adv[:, None] * mask / per_seq).sum().item(), abs=1e-12)
     assert m["is_weight_min"] == m["is_weight_max"] == 1.0 and m["approx_kl"] == 0.0
 
 
@@ -376,11 +414,16 @@ def test_padding_never_changes_the_loss(agg, mode):
     kw = {"n_seqs": 3, "n_tokens": int(mask.sum()), "max_new_tokens": 6}
 
     logp = x["logp"].clone().requires_grad_()
-    loss, m = policy_loss(logp, x["behav_logp"], adv, mask, onpolicy, cfg, prox_logp=x["prox_logp"], ref_logp=x["ref_logp"], entropy=x["entropy"], **kw)
+    loss, m = policy_loss(logp, x["behav_logp"], adv, mask, onpolicy, cfg,
+                          prox_logp=x["prox_logp"], ref_logp=x["ref_logp"], entropy=x["entropy"],
+                          **kw)
     (grad,) = torch.autograd.grad(loss, logp)
-    assert m["clip_low"] + m["clip_high"] > 0 and m["clip_dual"] > 0 and m["is_capped"] == (mode == "decoupled")  # all paths exercised
+    assert (m["clip_low"] + m["clip_high"] > 0
+            and m["clip_dual"] > 0
+            and m["is_capped"] == (mode == "decoupled"))  # all paths exercised
 
-    # Garbage in every masked slot of the original rows, plus 2 pad columns and 1 pad row, all garbage.
+    # Garbage in every masked slot of the original rows, plus 2 pad columns and 1 pad row, all
+    # garbage.
     garbage = [math.nan, math.inf, -math.inf, 1e4, -1e4]
     padded_mask = torch.nn.functional.pad(mask, (0, 2, 0, 1))
     fill = t(garbage * 6)[: 4 * 7].reshape(4, 7)
@@ -390,14 +433,19 @@ def test_padding_never_changes_the_loss(agg, mode):
 
     p = {k: pad(v) for k, v in x.items()}
     logp_p = p["logp"].clone().requires_grad_()
-    adv_p, onpolicy_p = torch.cat([adv, t([math.nan])]), torch.cat([onpolicy, torch.tensor([False])])
-    loss_p, m_p = policy_loss(logp_p, p["behav_logp"], adv_p, padded_mask, onpolicy_p, cfg, prox_logp=p["prox_logp"], ref_logp=p["ref_logp"], entropy=p["entropy"], **kw)
+    adv_p, onpolicy_p = (torch.cat([adv, t([math.nan])]),
+                         torch.cat([onpolicy, torch.tensor([False])]))
+    loss_p, m_p = policy_loss(logp_p, p["behav_logp"], adv_p, padded_mask, onpolicy_p, cfg,
+                              prox_logp=p["prox_logp"], ref_logp=p["ref_logp"],
+                              entropy=p["entropy"], **kw)
     (grad_p,) = torch.autograd.grad(loss_p, logp_p)
 
     assert loss_p.item() == pytest.approx(loss.item(), abs=1e-12)
-    torch.testing.assert_close(grad_p, torch.nn.functional.pad(grad, (0, 2, 0, 1)), rtol=0, atol=1e-12)  # 0 on padding
+    torch.testing.assert_close(grad_p, torch.nn.functional.pad(grad, (0, 2, 0, 1)),
+                               rtol=0, atol=1e-12)  # 0 on padding
     assert torch.isfinite(grad_p).all()
-    assert {k: float(v) for k, v in m_p.items()} == pytest.approx({k: float(v) for k, v in m.items()})
+    assert {k: float(v) for k, v in m_p.items()} == pytest.approx(
+        {k: float(v) for k, v in m.items()})
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -417,16 +465,20 @@ def test_microbatch_accumulation_equals_one_batch(agg, mode):
     kw = {"n_seqs": 6, "n_tokens": int(mask.sum()), "max_new_tokens": 8}
 
     logp, ent = token_logprobs(model, tokens, am, T, with_entropy=True)
-    loss, m = policy_loss(logp, behav, adv, mask, onpolicy, cfg, prox_logp=prox, ref_logp=ref_logp, entropy=ent, **kw)
+    loss, m = policy_loss(logp, behav, adv, mask, onpolicy, cfg, prox_logp=prox, ref_logp=ref_logp,
+                          entropy=ent, **kw)
     full = torch.autograd.grad(loss, list(model.parameters()))
-    assert m["clip_low"] + m["clip_high"] > 0 and m["is_weight_max"] > 1.5  # the clip and the weights are exercised
+    # the clip and the weights are exercised
+    assert m["clip_low"] + m["clip_high"] > 0 and m["is_weight_max"] > 1.5
 
     model.zero_grad()
     total, parts = 0.0, []
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
         n = int(am[rows].sum(1).max())  # each micro-batch trimmed to its longest row
         lp, e = token_logprobs(model, tokens[rows, :n], am[rows, :n], T, with_entropy=True)
-        part, pm = policy_loss(lp, behav[rows, :n], adv[rows], mask[rows, :n], onpolicy[rows], cfg, prox_logp=prox[rows, :n], ref_logp=ref_logp[rows, :n], entropy=e, **kw)
+        part, pm = policy_loss(lp, behav[rows, :n], adv[rows], mask[rows, :n], onpolicy[rows], cfg,
+                               prox_logp=prox[rows, :n], ref_logp=ref_logp[rows, :n], entropy=e,
+                               **kw)
         part.backward()
         total += part.item()
         parts.append(pm)
@@ -445,7 +497,9 @@ def test_policy_loss_does_not_mutate_inputs():
     x["logp"] = x["logp"].clone().requires_grad_()
     before = {k: v.detach().clone() for k, v in x.items()}
     cfg = replace(GRPOConfig(), offpolicy="decoupled", beta=0.1, dual_clip=2.0)
-    loss, _ = policy_loss(x["logp"], x["behav_logp"], adv, mask, onpolicy, cfg, n_seqs=3, n_tokens=6, max_new_tokens=4, prox_logp=x["prox_logp"], ref_logp=x["ref_logp"], entropy=x["entropy"])
+    loss, _ = policy_loss(x["logp"], x["behav_logp"], adv, mask, onpolicy, cfg, n_seqs=3,
+                          n_tokens=6, max_new_tokens=4, prox_logp=x["prox_logp"],
+                          ref_logp=x["ref_logp"], entropy=x["entropy"])
     loss.backward()
     for k, v in x.items():
         assert torch.equal(v.detach(), before[k])

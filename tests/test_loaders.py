@@ -1,5 +1,5 @@
-"""data/loaders.py: the shared benchmark files load with the right counts and self-verifying gold answers,
-and the training-set schemas load from small fixture files written here."""
+"""data/loaders.py: the shared benchmark files load with the right counts and self-verifying gold
+answers, and the training-set schemas load from small fixture files written here."""
 
 import importlib.util
 import json
@@ -11,7 +11,8 @@ import pytest
 
 from data.loaders import Problem, last_boxed, load_problems
 
-SHARED = Path(os.environ.get("SHARED_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SHARED = Path(os.environ.get("SHARED_DATA_DIR",
+                             Path(__file__).resolve().parents[2] / "shared" / "data"))
 BENCH = SHARED / "benchmarks"
 COUNTS = {"math500": 500, "gsm8k": 1319, "aime24": 30, "aime25": 30, "amc23": 40}
 
@@ -39,7 +40,8 @@ def test_benchmark_row_counts(benchmarks, name):
 def test_benchmark_gold_strings_as_published(benchmarks):
     aime24 = [p.answer for p in benchmarks["aime24"]]
     assert aime24[0] == "204" and "025" in aime24  # zero padding kept; the verifier normalises
-    assert [p.answer for p in benchmarks["amc23"]][:3] == ["27", "36", "45"]  # JSON floats 27.0 -> "27"
+    # JSON floats 27.0 -> "27"
+    assert [p.answer for p in benchmarks["amc23"]][:3] == ["27", "36", "45"]
     assert benchmarks["aime25"][0].answer == "70"  # JSON int
     gsm = [p.answer for p in benchmarks["gsm8k"]]
     assert gsm[0] == "18" and "2,125" in gsm  # text after ####, commas kept
@@ -50,7 +52,8 @@ def test_benchmark_gold_strings_as_published(benchmarks):
 @pytest.mark.parametrize("name", COUNTS)
 def test_benchmark_gold_verifies_against_itself(benchmarks, name):
     rewards = pytest.importorskip("rewards")
-    failed = [p.answer for p in benchmarks[name] if not rewards.verify(f"The answer is \\boxed{{{p.answer}}}.", p.answer)]
+    failed = [p.answer for p in benchmarks[name]
+              if not rewards.verify(f"The answer is \\boxed{{{p.answer}}}.", p.answer)]
     assert failed == []
 
 
@@ -60,13 +63,15 @@ def test_limit(benchmarks):
 
 def test_dapo_chat_schema_and_named_training_file(tmp_path):
     wrapped = (
-        "Solve the following math problem step by step. The last line of your response should be of the form "
-        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nWhat is 2+3?\n\n"
+        "Solve the following math problem step by step. The last line of your response should be "
+        "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+        "\n\nWhat is 2+3?\n\n"
         'Remember to put your answer on its own line after "Answer:".'
     )
     row = {"data_source": "math_dapo", "prompt": [{"role": "user", "content": wrapped}],
            "reward_model": {"ground_truth": "5", "style": "rule"}, "extra_info": {"index": "a1"}}
-    write_jsonl(tmp_path / "dapo17k_train.jsonl", [row, row | {"reward_model": {"ground_truth": "-7", "style": "rule"}}])
+    write_jsonl(tmp_path / "dapo17k_train.jsonl",
+                [row, row | {"reward_model": {"ground_truth": "-7", "style": "rule"}}])
     problems = load_problems("dapo17k", data_dir=str(tmp_path))
     assert problems[0] == Problem("What is 2+3?", "5", "dapo17k-0", "dapo17k")
     assert problems[1].answer == "-7"
@@ -77,18 +82,23 @@ def test_dapo_flat_and_math_train_and_gsm8k_train(tmp_path):
     assert load_problems(str(flat))[0] == Problem("Compute 6*7.", "42", "flat-0", "flat")
 
     solution = "So $x=\\boxed{3}$ first, and finally $\\boxed{\\frac{1}{\\sqrt{2}}}$."
-    math_train = write_jsonl(tmp_path / "math_train.jsonl", [{"problem": "P", "solution": solution, "level": "Level 2"}])
-    assert load_problems(str(math_train))[0].answer == "\\frac{1}{\\sqrt{2}}"  # last \boxed, nested braces
+    math_train = write_jsonl(tmp_path / "math_train.jsonl",
+                             [{"problem": "P", "solution": solution, "level": "Level 2"}])
+    # last \boxed, nested braces
+    assert load_problems(str(math_train))[0].answer == "\\frac{1}{\\sqrt{2}}"
     write_jsonl(math_train, [{"problem": "P", "solution": solution, "answer": "7"}])
-    assert load_problems("math_train", data_dir=str(tmp_path))[0].answer == "7"  # explicit answer wins
+    # explicit answer wins
+    assert load_problems("math_train", data_dir=str(tmp_path))[0].answer == "7"
 
-    gsm = write_jsonl(tmp_path / "gsm8k_train.jsonl", [{"question": "Q?", "answer": "1000+234=<<1000+234=1234>>1234\n#### 1,234"}])
+    gsm = write_jsonl(tmp_path / "gsm8k_train.jsonl",
+                      [{"question": "Q?", "answer": "1000+234=<<1000+234=1234>>1234\n#### 1,234"}])
     assert load_problems("gsm8k_train", data_dir=str(tmp_path))[0].answer == "1,234"
     assert load_problems(str(gsm))[0].problem == "Q?"
 
 
 def test_custom_field_mapping(tmp_path):
-    path = write_jsonl(tmp_path / "custom.jsonl", [{"q": "Q1", "meta": {"gold": 0.5}, "answer": "wrong field"}])
+    path = write_jsonl(tmp_path / "custom.jsonl",
+                       [{"q": "Q1", "meta": {"gold": 0.5}, "answer": "wrong field"}])
     p = load_problems(str(path), problem_key="q", answer_key="meta.gold")[0]
     assert (p.problem, p.answer) == ("Q1", "0.5")
     with pytest.raises(ValueError, match="no problem field"):
@@ -125,7 +135,8 @@ def test_parquet(tmp_path):
         return
     pd = pytest.importorskip("pandas")
     pytest.importorskip("pyarrow")
-    pd.DataFrame([{"prompt": [{"role": "user", "content": "Q"}], "reward_model": {"ground_truth": "9", "style": "rule"}}]).to_parquet(path)
+    pd.DataFrame([{"prompt": [{"role": "user", "content": "Q"}],
+                   "reward_model": {"ground_truth": "9", "style": "rule"}}]).to_parquet(path)
     assert load_problems(str(path))[0].answer == "9"
 
 

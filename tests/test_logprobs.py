@@ -166,7 +166,8 @@ def test_logp_gap_metric_counts_fresh_tokens_at_the_sampling_weights(minibatches
     offset = torch.where(batch.replayed, 3.0, torch.where(batch.advantage == 0, 0.5, 0.25))  # (B,)
     batch.behav_logp = torch.where(batch.completion_mask(), lp + offset[:, None], 0.0)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, torch.device("cpu"))
+    metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch,
+                                          torch.device("cpu"))
     if minibatches == 1:
         assert metrics["rollout/logp_gap_mean"] == pytest.approx(0.25, abs=1e-5)
         assert metrics["rollout/logp_gap_max"] == pytest.approx(0.25, abs=1e-5)
@@ -228,8 +229,8 @@ def test_micro_batch_tokens_leaves_the_update_unchanged():
 
 def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
     """Under bf16 autocast (DDP, one GPU) the KV cache holds K and V in bf16, not float32 keys, and
-    the sampled tokens and behaviour log-probs are bit-identical to HF's own cache's (attention casts
-    K and V to bf16 anyway)."""
+    the sampled tokens and behaviour log-probs are bit-identical to HF's own cache's (attention
+    casts K and V to bf16 anyway)."""
     tok = build_tokenizer()
     model = qwen2(len(tok))
     caches = []

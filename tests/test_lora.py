@@ -62,7 +62,8 @@ def train_steps(model, cfg: Config, steps: int, lr: float = 1e-2, ref=None) -> t
     opt.step = record
     for s in range(steps):
         batch = synthetic_batch(model.config.vocab_size, seed=s)
-        _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, CPU, ref=ref)
+        _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, CPU,
+                                              ref=ref)
         assert reasons == [None]
     return seen, opt
 
@@ -143,7 +144,8 @@ def test_lora_generation_samples_from_the_adapted_model():
     assert hf_module(model).generation_config is own
     null, m = torch.autocast("cpu", enabled=False), ro.completion_mask()
     adapted = no_grad_logprobs(model, ro, update_settings(cfg), null, CPU)[0]
-    base = no_grad_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), ro, update_settings(cfg), null, CPU)[0]
+    base = no_grad_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), ro, update_settings(cfg),
+                            null, CPU)[0]
     # KV-cached sampling and the shared-prompt pass round differently (9e-5 measured; base: > 1)
     torch.testing.assert_close(ro.behav_logp[m], adapted[m], atol=2e-4, rtol=0)
     assert (ro.behav_logp[m] - base[m]).abs().max() > 1e-2
@@ -257,6 +259,8 @@ def worker(mode: str, out: str) -> None:
     and writes the loss and the applied update (SGD at lr 1, full weights gathered)."""
     import torch.distributed as dist
 
+    from support import parallel
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -271,7 +275,8 @@ def worker(mode: str, out: str) -> None:
         loss, delta, _ = one_update(policy, model, shard(batch, rank, world), cfg, compute)
         result[agg] = {"loss": loss, "grad": delta.tolist()}
     write_result(out, result)
-    dist.destroy_process_group()
+    del model, policy  # DDP's wrapper goes before its process group
+    parallel.close()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

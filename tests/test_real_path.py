@@ -299,6 +299,7 @@ def test_gradient_checkpointing_recomputes_layers_in_the_training_backward(tmp_p
         return device, (model, *rest)
 
     monkeypatch.setattr(train, "load_run_model", counting)
-    run_metrics(tmp_path / "run", "--max_steps=1", f"--model.gradient_checkpointing={checkpointing}")
+    run_metrics(tmp_path / "run", "--max_steps=1",
+                f"--model.gradient_checkpointing={checkpointing}")
     assert len(replayed) > 0
     assert any(replayed) == checkpointing, f"{sum(replayed)} of {len(replayed)} calls in backward"

@@ -31,33 +31,41 @@ def per_feedback():
 def test_defining_the_class_registers_it_with_its_own_checks(per_feedback):
     assert STRATEGIES["per_feedback"] is per_feedback and per_feedback.__module__ == "per_feedback"
     rules = ReplayConfig(strategy="per_feedback", ratio=5.0).check()
-    assert {"strategy", "capacity", "advantage", "rlep_source", "ratio", "priority_eps"} <= set(rules)
+    assert ({"strategy", "capacity", "advantage", "rlep_source", "ratio", "priority_eps"}
+            <= set(rules))
     assert rules["strategy"][0] and not rules["ratio"][0]
-    message = "replay.ratio must be in [0, 4] for per_feedback (replayed rows per fresh row), got 5.0"
+    message = ("replay.ratio must be in [0, 4] for per_feedback (replayed rows per fresh row), "
+               "got 5.0")
     assert rejected(strategy="per_feedback", ratio=5.0) == message
 
 
 def test_feedback_rescores_exactly_the_replayed_slots(per_feedback):
     cfg = ReplayConfig(strategy="per_feedback", ratio=0.5, advantage="recompute", capacity=16)
     buf = make_replay(cfg, max_len=MAX_LEN, pad_id=PAD, seed=0)
-    # prompt 7: rewards 1, 0; prompt 8: rewards 1, 0 (not in the fresh batch); stored priority |±0.5| + 1e-3
-    push(buf, rollouts(4, prompt_idx=[7, 7, 8, 8], reward=[1, 0, 1, 0], advantage=[0.5, -0.5, 0.5, -0.5]), 0)
+    # prompt 7: rewards 1, 0; prompt 8: rewards 1, 0 (not in the fresh batch);
+    # stored priority |±0.5| + 1e-3
+    push(buf, rollouts(4, prompt_idx=[7, 7, 8, 8], reward=[1, 0, 1, 0],
+                       advantage=[0.5, -0.5, 0.5, -0.5]), 0)
     assert buf.score[:4].tolist() == pytest.approx([0.501] * 4)
-    fresh = rollouts(4, prompt_idx=7, group=100, reward=[0, 0, 0, 1], advantage=[-0.5, -0.5, -0.5, 1.5], born=1, seed=1)
+    fresh = rollouts(4, prompt_idx=7, group=100, reward=[0, 0, 0, 1],
+                     advantage=[-0.5, -0.5, -0.5, 1.5], born=1, seed=1)
     batch = buf.sample(fresh, 1)  # k = round(0.5 · 4) = 2 draws
     again = replayed(batch)
     assert len(again) == 2 and (again.slot >= 0).all() and (batch.slot[:4] == -1).all()
     before = buf.score.clone()
     push(buf, batch, 1)
-    # recomputed advantages (unbiased std + 1e-6): reward 1 joining [0,0,0,1] → 0.6 / sqrt(0.3); reward 0 → -0.2 / sqrt(0.2);
-    # prompt 8 against its stored rewards [1, 0] → ±0.5 / sqrt(0.5)
+    # recomputed advantages (unbiased std + 1e-6): reward 1 joining [0,0,0,1] → 0.6 / sqrt(0.3);
+    # reward 0 → -0.2 / sqrt(0.2); prompt 8 against its stored rewards [1, 0] → ±0.5 / sqrt(0.5)
     new = {(7, 1.0): 0.6 / (math.sqrt(0.3) + 1e-6), (7, 0.0): 0.2 / (math.sqrt(0.2) + 1e-6),
-           (8, 1.0): 0.5 / (math.sqrt(0.5) + 1e-6), (8, 0.0): 0.5 / (math.sqrt(0.5) + 1e-6)}  # fmt: skip
+           (8, 1.0): 0.5 / (math.sqrt(0.5) + 1e-6),
+           (8, 0.0): 0.5 / (math.sqrt(0.5) + 1e-6)}  # fmt: skip
     for s, p, r in zip(again.slot.tolist(), again.prompt_idx.tolist(), again.reward.tolist()):
         assert buf.score[s].item() == pytest.approx(new[(p, r)] + 1e-3, rel=1e-5)
     changed = (buf.score[:4] != before[:4]).nonzero().squeeze(1).tolist()
-    assert changed == sorted(set(again.slot.tolist()))  # exactly the replayed slots, no other stored row
-    assert buf.score[4:8].tolist() == pytest.approx([0.501, 0.501, 0.501, 1.501])  # the fresh rows, stored after
+    # exactly the replayed slots, no other stored row
+    assert changed == sorted(set(again.slot.tolist()))
+    # the fresh rows, stored after
+    assert buf.score[4:8].tolist() == pytest.approx([0.501, 0.501, 0.501, 1.501])
     assert buf.metrics()["replay/rescored"] == float(len(changed))
 
 

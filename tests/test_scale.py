@@ -1,9 +1,11 @@
-"""Performance and scale: the speed-ups change nothing the loss sees, the real-model settings run on CPU, and
-torchrun data parallelism computes exactly the single-process update.
+"""Performance and scale: the speed-ups change nothing the loss sees, the real-model settings run on
+CPU, and torchrun data parallelism computes exactly the single-process update.
 
-  python -m pytest tests/test_scale.py -q          # ~1-2 min on 2 CPU cores; a tiny random Qwen3, no model files needed
+  python -m pytest tests/test_scale.py -q
+  # ~1-2 min on 2 CPU cores; a tiny random Qwen3, no model files needed
 
-The torchrun tests start 2 processes with `python -m torch.distributed.run` (gloo backend, one thread each).
+The torchrun tests start 2 processes with `python -m torch.distributed.run` (gloo backend, one
+thread each).
 """
 
 import contextlib
@@ -41,14 +43,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 def tiny_qwen3(vocab_size: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
     return AutoModelForCausalLM.from_config(cfg)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A randomly initialised 2-layer Qwen3 with the tiny character tokenizer, saved like any HF model."""
+    """A randomly initialised 2-layer Qwen3 with the tiny character tokenizer, saved like any HF
+    model."""
     out = tmp_path_factory.mktemp("qwen3")
     tok = build_tokenizer()
     model = tiny_qwen3(len(tok))
@@ -58,15 +62,19 @@ def model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def synthetic_batch(vocab_size: int, n_prompts: int = 6, G: int = 4, n_replayed: int = 5, seed: int = 0) -> Rollouts:
-    """Groups of G rows sharing a prompt (one group with equal rewards, so A = 0), plus stale replayed rows whose
-    behaviour log-probs differ from the policy's (ratios away from 1, some clipped). Deterministic in `seed`."""
+def synthetic_batch(vocab_size: int, n_prompts: int = 6, G: int = 4, n_replayed: int = 5,
+                    seed: int = 0) -> Rollouts:
+    """Groups of G rows sharing a prompt (one group with equal rewards, so A = 0), plus stale
+    replayed rows whose behaviour log-probs differ from the policy's (ratios away from 1, some
+    clipped). Deterministic in `seed`."""
     g = torch.Generator().manual_seed(seed)
     rows = []  # (tokens, prompt_len, group, onpolicy)
     for i in range(n_prompts):
-        prompt = torch.randint(4, vocab_size, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
+        prompt = torch.randint(4, vocab_size, (int(torch.randint(3, 9, (1,), generator=g)),),
+                               generator=g)
         for _ in range(G):
-            comp = torch.randint(4, vocab_size, (int(torch.randint(1, 11, (1,), generator=g)),), generator=g)
+            comp = torch.randint(4, vocab_size, (int(torch.randint(1, 11, (1,), generator=g)),),
+                                 generator=g)
             rows.append((torch.cat([prompt, comp]), len(prompt), i, True))
     for k in range(n_replayed):
         seq, plen, _, _ = rows[int(torch.randint(len(rows), (1,), generator=g))]
@@ -75,7 +83,8 @@ def synthetic_batch(vocab_size: int, n_prompts: int = 6, G: int = 4, n_replayed:
     tokens = torch.zeros(B, L, dtype=torch.long)
     for b, r in enumerate(rows):
         tokens[b, : len(r[0])] = r[0]
-    prompt_len, seq_len = torch.tensor([r[1] for r in rows]), torch.tensor([len(r[0]) for r in rows])
+    prompt_len, seq_len = (torch.tensor([r[1] for r in rows]),
+                           torch.tensor([len(r[0]) for r in rows]))
     group, onpolicy = torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows])
     t = torch.arange(L)[None]
     completion = (t >= prompt_len[:, None]) & (t < seq_len[:, None])
@@ -83,11 +92,14 @@ def synthetic_batch(vocab_size: int, n_prompts: int = 6, G: int = 4, n_replayed:
     reward = (torch.rand(B, generator=g) < 0.5).float()
     reward[:G] = 1.0  # group 0: every row right, advantage 0
     advantage, _ = grpo.group_advantages(reward, group)
-    advantage[~onpolicy] = torch.randn(int((~onpolicy).sum()), generator=g)  # replayed rows keep their stored advantage
+    # replayed rows keep their stored advantage
+    advantage[~onpolicy] = torch.randn(int((~onpolicy).sum()), generator=g)
     zeros = torch.zeros(B)
-    return Rollouts(tokens=tokens, prompt_len=prompt_len, seq_len=seq_len, behav_logp=behav, truncated=zeros.bool(),
-                    prompt_idx=group.clone(), group=group, born=zeros.long(), reward=reward, correct=reward > 0,
-                    advantage=advantage, entropy=zeros.clone(), replayed=~onpolicy, onpolicy=onpolicy,
+    return Rollouts(tokens=tokens, prompt_len=prompt_len, seq_len=seq_len, behav_logp=behav,
+                    truncated=zeros.bool(), prompt_idx=group.clone(), group=group,
+                    born=zeros.long(), reward=reward, correct=reward > 0,
+                    advantage=advantage, entropy=zeros.clone(), replayed=~onpolicy,
+                    onpolicy=onpolicy,
                     slot=torch.where(onpolicy, -1, torch.arange(B)))
 
 
@@ -99,26 +111,31 @@ def shard(batch: Rollouts, rank: int, world: int) -> Rollouts:
 def update_cfg(loss_agg: str) -> Config:
     cfg = Config()
     cfg.grpo.loss_agg, cfg.rollout.max_new_tokens, cfg.rollout.temperature = loss_agg, 10, 0.9
-    cfg.optim.micro_batch_size, cfg.optim.grad_clip = 3, 0.0  # several micro-batches; no clipping, so the step is the gradient
+    # several micro-batches; no clipping, so the step is the gradient
+    cfg.optim.micro_batch_size, cfg.optim.grad_clip = 3, 0.0
     return cfg
 
 
-def one_update(policy, model, batch: Rollouts, cfg: Config, compute=None) -> tuple[float, torch.Tensor, dict]:
-    """grpo.update_policy with SGD at lr 1: the parameter change is minus the gradient it applied."""
+def one_update(policy, model, batch: Rollouts, cfg: Config,
+               compute=None) -> tuple[float, torch.Tensor, dict]:
+    """grpo.update_policy with SGD at lr 1: the parameter change is minus the gradient it
+    applied."""
     def flat():  # full weights, gathered from FSDP's shards
-        return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().clone()
-                          for p in model.parameters()])
+        return torch.cat([
+            (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().clone()
+            for p in model.parameters()])
 
     before = flat()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics, entropy, reasons, _ = grpo.update_policy(update_settings(cfg), model, policy, opt, batch, torch.device("cpu"),
+    metrics, entropy, reasons, _ = grpo.update_policy(update_settings(cfg), model, policy, opt,
+                                                      batch, torch.device("cpu"),
                                                       compute or contextlib.nullcontext())
     after = flat()
     assert reasons == [None]
     return metrics["loss"], before - after, {"metrics": metrics, "entropy": entropy}
 
 
-# ---------------------------------------------------------------------------------------------- exactness of the speed-ups
+# ----------------------------------------------------------------------- exactness of the speed-ups
 
 
 def test_sampler_behaviour_logprobs_are_the_sampling_distribution(model_dir):
@@ -126,66 +143,79 @@ def test_sampler_behaviour_logprobs_are_the_sampling_distribution(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompts = [prompt_ids(tok, p, "{problem}", True) for p in ("1+1", "12*3", "what is 7/8 + 1/8?")]
     stop = end_ids(tok, model, True, [])
-    for temperature, top_p, top_k, batch_size in [(1.0, 1.0, 0, 64), (0.7, 1.0, 0, 5), (0.7, 0.8, 0, 64), (1.0, 1.0, 5, 7)]:
+    for temperature, top_p, top_k, batch_size in [(1.0, 1.0, 0, 64), (0.7, 1.0, 0, 5),
+                                                  (0.7, 0.8, 0, 64), (1.0, 1.0, 5, 7)]:
         torch.manual_seed(0)
-        cfg = RolloutConfig(group_size=4, max_new_tokens=12, temperature=temperature, top_p=top_p, top_k=top_k,
-                            gen_batch_size=batch_size)
+        cfg = RolloutConfig(group_size=4, max_new_tokens=12, temperature=temperature, top_p=top_p,
+                            top_k=top_k, gen_batch_size=batch_size)
         ro, texts = generate(model, tok, prompts, cfg, stop)
         assert len(ro) == 12 and ro.group.tolist() == [0] * 4 + [1] * 4 + [2] * 4
         m = ro.completion_mask()
         t = torch.arange(ro.tokens.shape[1])[None]
-        teacher, ent = token_logprobs(model, ro.tokens, (t < ro.seq_len[:, None]).long(), temperature, True)
-        if top_p == 1 and top_k == 0:  # the recorded log-prob is the model's at temperature T (early-dropped rows too)
+        teacher, ent = token_logprobs(model, ro.tokens, (t < ro.seq_len[:, None]).long(),
+                                      temperature, True)
+        if top_p == 1 and top_k == 0:
+            # the recorded log-prob is the model's at temperature T (early-dropped rows too)
             torch.testing.assert_close(ro.behav_logp[m], teacher[m], atol=2e-5, rtol=0)
-            row_ent = (ent * m).sum(1) / m.sum(1)  # the sampling entropy recorded per row is the model's, at T
+            # the sampling entropy recorded per row is the model's, at T
+            row_ent = (ent * m).sum(1) / m.sum(1)
             torch.testing.assert_close(ro.entropy, row_ent.float(), atol=2e-5, rtol=0)
-        else:  # the nucleus / top-k renormalises: log μ ≥ log π_T, equal where it holds every token
+        else:
+            # the nucleus / top-k renormalises: log μ ≥ log π_T, equal where it holds every token
             assert (ro.behav_logp[m] >= teacher[m] - 2e-5).all()
         assert (ro.behav_logp[~m] == 0).all()
         for i in range(len(ro)):
             comp = ro.tokens[i, ro.prompt_len[i] : ro.seq_len[i]]
             ended = comp[-1].item() in stop
             assert tok.decode(comp[: len(comp) - ended], skip_special_tokens=True) == texts[i]
-            assert bool(ro.truncated[i]) == (not ended) and not any(x in stop for x in comp[:-1].tolist())
+            assert (bool(ro.truncated[i]) == (not ended)
+                    and not any(x in stop for x in comp[:-1].tolist()))
             assert not ro.truncated[i] or len(comp) == 12
 
 
 def test_completion_logprobs_share_prompts_exactly():
     model = tiny_qwen3(60, seed=1).double()
     b = synthetic_batch(60)
-    b = b.select(torch.randperm(len(b), generator=torch.Generator().manual_seed(0)))  # groups not adjacent
+    # groups not adjacent
+    b = b.select(torch.randperm(len(b), generator=torch.Generator().manual_seed(0)))
     m = b.completion_mask()
     am = (torch.arange(b.tokens.shape[1])[None] < b.seq_len[:, None]).long()
     full, full_ent = token_logprobs(model, b.tokens, am, 0.8, with_entropy=True)
-    shared, shared_ent = completion_logprobs(model, b.tokens, b.prompt_len, b.seq_len, 0.8, with_entropy=True)
+    shared, shared_ent = completion_logprobs(model, b.tokens, b.prompt_len, b.seq_len, 0.8,
+                                             with_entropy=True)
     torch.testing.assert_close(shared, torch.where(m, full, 0.0), atol=1e-10, rtol=0)
     torch.testing.assert_close(shared_ent, torch.where(m, full_ent, 0.0), atol=1e-10, rtol=0)
     w = torch.randn(b.tokens.shape, dtype=torch.float64)
     params = list(model.parameters())
-    g_full = torch.autograd.grad((full * m * w).sum(), params)  # entropy is measured only: no gradient to compare
+    # entropy is measured only: no gradient to compare
+    g_full = torch.autograd.grad((full * m * w).sum(), params)
     g_shared = torch.autograd.grad((shared * w).sum(), params)
-    for x, y in zip(g_full, g_shared, strict=True):  # Qwen3's RMSNorm computes in float32 even in a float64 model: float32-level agreement
+    # Qwen3's RMSNorm computes in float32 even in a float64 model: float32-level agreement
+    for x, y in zip(g_full, g_shared, strict=True):
         assert (x - y).norm() <= 1e-5 * x.norm()
 
 
 def test_skipping_zero_advantage_rows_leaves_the_update_unchanged():
-    """update_policy never runs rows with A = 0 (beta = 0): its step equals the gradient of the loss over all rows,
-    computed here directly in one pass."""
+    """update_policy never runs rows with A = 0 (beta = 0): its step equals the gradient of the loss
+    over all rows, computed here directly in one pass."""
     batch = synthetic_batch(60)
     assert (batch.advantage == 0).sum() >= 4
     for agg in LOSS_AGGS:
         cfg = update_cfg(agg)
         model, direct = tiny_qwen3(60), tiny_qwen3(60)
         loss, grad, out = one_update(model, model, batch, cfg)
-        logp, _ = completion_logprobs(direct, batch.tokens, batch.prompt_len, batch.seq_len, cfg.rollout.temperature)
-        full, _ = grpo.policy_loss(logp, batch.behav_logp, batch.advantage, batch.completion_mask(), batch.onpolicy,
-                                   cfg.grpo, n_seqs=len(batch), n_tokens=int(batch.completion_len.sum()),
+        logp, _ = completion_logprobs(direct, batch.tokens, batch.prompt_len, batch.seq_len,
+                                      cfg.rollout.temperature)
+        full, _ = grpo.policy_loss(logp, batch.behav_logp, batch.advantage, batch.completion_mask(),
+                                   batch.onpolicy, cfg.grpo, n_seqs=len(batch),
+                                   n_tokens=int(batch.completion_len.sum()),
                                    max_new_tokens=cfg.rollout.max_new_tokens)
         full.backward()
         expected = torch.cat([p.grad.flatten() for p in direct.parameters()])
         assert loss == pytest.approx(full.item(), abs=1e-6)
         torch.testing.assert_close(grad, expected, atol=1e-6, rtol=1e-5)
-        assert out["entropy"][batch.advantage == 0].isnan().all() and not out["entropy"][batch.advantage != 0].isnan().any()
+        assert (out["entropy"][batch.advantage == 0].isnan().all()
+                and not out["entropy"][batch.advantage != 0].isnan().any())
 
 
 def test_truncated_rows_are_left_out_of_the_loss():
@@ -203,24 +233,31 @@ def test_truncated_rows_are_left_out_of_the_loss():
     assert out["entropy"][batch.truncated].isnan().all()
 
 
-# ---------------------------------------------------------------------------------------------- real-model settings
+# ------------------------------------------------------------------------------ real-model settings
 
 
-@pytest.mark.parametrize("setting", ["bf16_compute", "gradient_checkpointing", "compile", "small_batches"])
+@pytest.mark.parametrize("setting",
+                         ["bf16_compute", "gradient_checkpointing", "compile", "small_batches"])
 def test_real_model_settings_update(setting):
-    """Each GPU setting through the real update code on a tiny random Qwen3, against the float32 default."""
+    """Each GPU setting through the real update code on a tiny random Qwen3, against the float32
+    default."""
     batch = synthetic_batch(60)
     cfg = update_cfg("dapo")
     ref_model = tiny_qwen3(60)
     loss_ref, grad_ref, _ = one_update(ref_model, ref_model, batch, cfg)
     model, compute, tol = tiny_qwen3(60), None, 1e-5
     policy = model
-    if setting == "bf16_compute":  # float32 weights, bf16 matmuls: what model.compute_dtype=bfloat16 runs
+    if setting == "bf16_compute":
+        # float32 weights, bf16 matmuls: what model.compute_dtype=bfloat16 runs
         compute, tol = torch.autocast("cpu", dtype=torch.bfloat16), 0.05
     elif setting == "gradient_checkpointing":
         cfg.model.gradient_checkpointing = True
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # v5.2x name
-    elif setting == "compile":  # inductor's C++ codegen takes minutes on a loaded CPU; dynamo tracing is what our code meets
+        # v5.2x name
+        (getattr(model, "activation_checkpointing_enable", None)
+         or model.gradient_checkpointing_enable)()
+    elif setting == "compile":
+        # inductor's C++ codegen takes minutes on a loaded CPU; dynamo tracing is what our code
+        # meets
         policy = torch.compile(model, backend="eager")
         cfg.optim.micro_batch_size = 64  # one micro-batch: fewer shapes to trace
     elif setting == "small_batches":
@@ -233,8 +270,9 @@ def test_real_model_settings_update(setting):
 
 
 def test_a_small_lr_moves_every_weight_with_bf16_compute():
-    """The papers' lr 1e-6, one AdamW step, bf16 compute (autocast on CPU): float32 master weights move wherever the
-    gradient is non-zero. bf16 master weights (the old model.dtype=bfloat16) moved about 2 % of them."""
+    """The papers' lr 1e-6, one AdamW step, bf16 compute (autocast on CPU): float32 master weights
+    move wherever the gradient is non-zero. bf16 master weights (the old model.dtype=bfloat16) moved
+    about 2 % of them."""
     batch = synthetic_batch(60)
     cfg = update_cfg("dapo")
     model = tiny_qwen3(60)
@@ -244,11 +282,14 @@ def test_a_small_lr_moves_every_weight_with_bf16_compute():
     real_step = opt.step
 
     def step_keeping_grads(*a, **k):
-        grads.update({i: p.grad.clone() for i, p in enumerate(model.parameters()) if p.grad is not None})
+        grads.update({i: p.grad.clone()
+                      for i, p in enumerate(model.parameters())
+                      if p.grad is not None})
         return real_step(*a, **k)
 
     opt.step = step_keeping_grads
-    _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, torch.device("cpu"),
+    _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch,
+                                          torch.device("cpu"),
                                           torch.autocast("cpu", dtype=torch.bfloat16))
     assert reasons == [None]
     moved = total = 0
@@ -261,35 +302,40 @@ def test_a_small_lr_moves_every_weight_with_bf16_compute():
 
 
 def test_real_model_settings_run_train(model_dir, tmp_path, monkeypatch):
-    """train.py end to end with every real-model key on (bf16 compute, gradient checkpointing, torch.compile, separate
-    generation / log-prob / training batch sizes, two optimizer steps per batch), in-process on the random Qwen3."""
+    """train.py end to end with every real-model key on (bf16 compute, gradient checkpointing,
+    torch.compile, separate generation / log-prob / training batch sizes, two optimizer steps per
+    batch), in-process on the random Qwen3."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     cfg = load_config("configs/tiny.yaml", [
-        f"--model.path={model_dir}", f"--out_dir={tmp_path / 'run'}", "--max_steps=2", "--rollout.batch_size=16",
-        "--rollout.group_size=4", "--rollout.max_new_tokens=8", "--rollout.gen_batch_size=8", "--optim.micro_batch_size=3",
+        f"--model.path={model_dir}", f"--out_dir={tmp_path / 'run'}", "--max_steps=2",
+        "--rollout.batch_size=16", "--rollout.group_size=4", "--rollout.max_new_tokens=8",
+        "--rollout.gen_batch_size=8", "--optim.micro_batch_size=3",
         "--optim.logprob_batch_size=5", "--optim.minibatches=2", "--model.compute_dtype=bfloat16",
         "--model.gradient_checkpointing=true",
-        "--model.compile=true", "--eval.n=4", "--eval.k=1", "--checkpoint.every=0", "--wandb.mode=disabled",
-        "--reward.no_answer=-1", "--reward.last_number_fallback=true",
+        "--model.compile=true", "--eval.n=4", "--eval.k=1", "--checkpoint.every=0",
+        "--wandb.mode=disabled", "--reward.no_answer=-1", "--reward.last_number_fallback=true",
     ])
     validate(cfg)
     train.train(cfg)
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("generate", "reward", "advantage", "replay_sample", "prox_logprobs", "forward_backward", "optimizer",
-                "replay_push", "step"):
+    for key in ("generate", "reward", "advantage", "replay_sample", "prox_logprobs",
+                "forward_backward", "optimizer", "replay_push", "step"):
         assert f"time/{key}" in rows[0], key
     assert rows[0]["time/prox_logprobs"] > 0, "minibatches=2 computes π_prox"
 
 
-# ---------------------------------------------------------------------------------------------- torchrun
+# ----------------------------------------------------------------------------------------- torchrun
 
 
 def worker(mode: str, model_dir: str, out: str) -> None:
-    """Under torchrun: each rank runs grpo.update_policy on its shard of the synthetic batch, the model wrapped as
-    train.py wraps it for model.parallel=`mode` (DDP, or FSDP2 sharding of every decoder layer and the root), and
-    writes the loss and the applied update (full weights gathered)."""
+    """Under torchrun: each rank runs grpo.update_policy on its shard of the synthetic batch, the
+    model wrapped as train.py wraps it for model.parallel=`mode` (DDP, or FSDP2 sharding of every
+    decoder layer and the root), and writes the loss and the applied update (full weights
+    gathered)."""
     import torch.distributed as dist
+
+    from support import parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -304,7 +350,8 @@ def worker(mode: str, model_dir: str, out: str) -> None:
         loss, delta, _ = one_update(policy, model, shard(batch, rank, world), cfg, compute)
         result[agg] = {"loss": loss, "grad": delta.tolist()}
     write_result(out, result)
-    dist.destroy_process_group()
+    del model, policy  # DDP's wrapper goes before its process group
+    parallel.close()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -313,7 +360,8 @@ def test_torchrun_first_update_equals_single_process(model_dir, tmp_path, mode):
     ranks = worker_results(__file__, mode, str(model_dir), out=out)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     batch = synthetic_batch(base.config.vocab_size)
-    assert len(shard(batch, 0, 2)) != len(shard(batch, 1, 2)), "ranks hold different numbers of rows (and micro-batches)"
+    assert len(shard(batch, 0, 2)) != len(shard(batch, 1, 2)), (
+        "ranks hold different numbers of rows (and micro-batches)")
     for agg in LOSS_AGGS:
         model = copy.deepcopy(base)
         loss, grad, _ = one_update(model, model, batch, update_cfg(agg))
@@ -325,13 +373,18 @@ def test_torchrun_first_update_equals_single_process(model_dir, tmp_path, mode):
 
 def test_torchrun_train_logs_on_rank0_checkpoints_and_resumes(model_dir, tmp_path):
     out = tmp_path / "run"
-    common = ["train.py", "--config", "configs/tiny.yaml", f"--model.path={model_dir}", f"--out_dir={out}", "--rollout.batch_size=16",
-              "--rollout.group_size=4", "--rollout.max_new_tokens=8", "--eval.n=4", "--eval.k=1", "--eval.every=1",
-              "--checkpoint.every=1", "--replay.strategy=aper", "--reward.no_answer=-1", "--reward.last_number_fallback=true",
-              "--threads=1", "--wandb.mode=disabled"]
+    common = ["train.py", "--config", "configs/tiny.yaml", f"--model.path={model_dir}",
+              f"--out_dir={out}", "--rollout.batch_size=16", "--rollout.group_size=4",
+              "--rollout.max_new_tokens=8", "--eval.n=4", "--eval.k=1", "--eval.every=1",
+              "--checkpoint.every=1", "--replay.strategy=aper", "--reward.no_answer=-1",
+              "--reward.last_number_fallback=true", "--threads=1", "--wandb.mode=disabled"]
     torchrun(*common, "--max_steps=2")
-    s0, s1 = (torch.load(out / "checkpoints" / "step_000001" / f"state_rank{r}.pt", weights_only=True) for r in (0, 1))
-    assert s0["world"] == s1["world"] == 2 and s0["rng"]["torch"].ne(s1["rng"]["torch"]).any()  # each rank its own
+    s0, s1 = (torch.load(out / "checkpoints" / "step_000001" / f"state_rank{r}.pt",
+                         weights_only=True)
+              for r in (0, 1))
+    # each rank its own
+    assert (s0["world"] == s1["world"] == 2
+            and s0["rng"]["torch"].ne(s1["rng"]["torch"]).any())
     assert (out / "checkpoints" / "step_000001" / "optimizer.pt").is_file()  # whole, once
     assert "optimizer" not in s0 and "optimizer" not in s1
     torchrun(*common, "--max_steps=3", "--resume")
@@ -342,9 +395,10 @@ def test_torchrun_train_logs_on_rank0_checkpoints_and_resumes(model_dir, tmp_pat
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
 
 
-FSDP_RUN = ["train.py", "--config", "configs/tiny.yaml", "--model.parallel=fsdp", "--rollout.batch_size=16",
-            "--rollout.group_size=4", "--rollout.max_new_tokens=16", "--eval.n=8", "--eval.k=1", "--eval.every=0",
-            "--checkpoint.every=2", "--replay.strategy=uniform", "--replay.ratio=0.25", "--reward.no_answer=-1",
+FSDP_RUN = ["train.py", "--config", "configs/tiny.yaml", "--model.parallel=fsdp",
+            "--rollout.batch_size=16", "--rollout.group_size=4", "--rollout.max_new_tokens=16",
+            "--eval.n=8", "--eval.k=1", "--eval.every=0", "--checkpoint.every=2",
+            "--replay.strategy=uniform", "--replay.ratio=0.25", "--reward.no_answer=-1",
             "--threads=1", "--wandb.mode=disabled", "--max_steps=5"]
 
 
@@ -387,14 +441,15 @@ def test_kill_tree_stops_torchruns_workers_and_frees_its_pipes(tmp_path):
 
 
 def test_fsdp_sigkill_then_resume_is_bit_identical(tmp_path):
-    """model.parallel=fsdp on 2 processes: a run killed (SIGKILL, every process) after step 3 and resumed from its
-    step-2 checkpoint ends with the same metrics and bit-identical weights as an uninterrupted run; final/ is an
-    ordinary HF folder."""
+    """model.parallel=fsdp on 2 processes: a run killed (SIGKILL, every process) after step 3 and
+    resumed from its step-2 checkpoint ends with the same metrics and bit-identical weights as an
+    uninterrupted run; final/ is an ordinary HF folder."""
     ref, run = tmp_path / "ref", tmp_path / "run"
     torchrun(*FSDP_RUN, f"--out_dir={ref}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *FSDP_RUN, f"--out_dir={run}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *FSDP_RUN, f"--out_dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
         if (run / "metrics.jsonl").exists() and '"step": 3,' in (run / "metrics.jsonl").read_text():
@@ -406,11 +461,15 @@ def test_fsdp_sigkill_then_resume_is_bit_identical(tmp_path):
     torchrun(*FSDP_RUN, f"--out_dir={run}", "--resume")
 
     def rows(d):
-        return [{k: v for k, v in json.loads(ln).items() if not k.startswith(("time/", "wall", "reward/verify"))}
+        return [{k: v
+                 for k, v in json.loads(ln).items()
+                 if not k.startswith(("time/", "wall", "reward/verify"))}
                 for ln in (d / "metrics.jsonl").read_text().splitlines()]
 
-    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4, 5] and json.dumps(rows(run)) == json.dumps(rows(ref))
-    a, b = load_file(ref / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert ([r["step"] for r in rows(run)] == [1, 2, 3, 4, 5]
+            and json.dumps(rows(run)) == json.dumps(rows(ref)))
+    a, b = (load_file(ref / "final" / "model.safetensors"),
+            load_file(run / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -422,31 +481,37 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(*sys.argv[2:5])
 
 
-# ---------------------------------------------------------------------------------------------- bench/gpu_check.py
+# ------------------------------------------------------------------------------- bench/gpu_check.py
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_gpu_check_without_a_gpu_prints_one_line_and_exits_2():
-    r = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                       timeout=120, check=False)
-    assert r.returncode == 2 and r.stdout.count("\n") == 1 and "no GPU is visible" in r.stdout and not r.stderr.strip()
+    r = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=REPO, env=ENV,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert (r.returncode == 2
+            and r.stdout.count("\n") == 1
+            and "no GPU is visible" in r.stdout
+            and not r.stderr.strip())
 
 
 def test_gpu_check_logic_on_the_cpu():
     """The same checks on this CPU through a hidden flag (gloo instead of NCCL, no memory check):
     train.py under torchrun with FSDP at world size 1, resumed, final/ loaded; no all-gather inside
     generation and a bf16 KV cache; the lr 1e-6 step moves the weights; a gap bound it exceeds makes
-    it exit 1. (bf16 rounding moves this tiny model's gradient norm by ~1-2 %: a looser bound here.)"""
-    cmd = [sys.executable, "bench/gpu_check.py", "--allow-cpu", "--model.path", str(REPO / "data" / "tiny_model"),
+    it exit 1. (bf16 rounding moves this tiny model's gradient norm by ~1-2 %: a looser bound
+    here.)"""
+    cmd = [sys.executable, "bench/gpu_check.py", "--allow-cpu",
+           "--model.path", str(REPO / "data" / "tiny_model"),
            "--max-new-tokens", "12", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
            "--max-grad-norm-diff", "0.1"]
-    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900, check=False)
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900,
+                       check=False)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert "resumed to 3 (3 metric lines)" in r.stdout and "final/ loads" in r.stdout
     assert "all-gathers inside generate: 0; KV cache torch.bfloat16" in r.stdout
     assert "moved 100.00 % of the weights" in r.stdout and "gpu_check: OK" in r.stdout
-    r = subprocess.run(cmd + ["--skip-torchrun", "--max-gap-mean", "-1"], cwd=REPO, env=ENV, capture_output=True,
-                       text=True, timeout=900, check=False)
+    r = subprocess.run(cmd + ["--skip-torchrun", "--max-gap-mean", "-1"], cwd=REPO, env=ENV,
+                       capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 1 and "gpu_check: FAILED ((c) mean gap" in r.stdout
 
 
@@ -472,7 +537,8 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
 
 
 def test_gpu_check_gap_stats_hand_values():
-    """(c)'s statistics: |d| mean, p99 and max, and the fraction of ratios e^d outside [0.8, 1.28]."""
+    """(c)'s statistics: |d| mean, p99 and max, and the fraction of ratios e^d outside
+    [0.8, 1.28]."""
     sys.path.insert(0, str(REPO / "bench"))
     import gpu_check
 
@@ -482,7 +548,8 @@ def test_gpu_check_gap_stats_hand_values():
     assert stats["mean"] == pytest.approx(0.18) and stats["max"] == pytest.approx(0.3)
     # e^-0.3 = 0.741 < 0.8 and e^0.3 = 1.35 > 1.28 are outside; e^0.1, e^0, e^0.2 = 1.22 inside
     assert stats["outside_clip"] == pytest.approx(2 / 5)
-    assert stats["p99"] == pytest.approx(torch.tensor([0.1, 0.3, 0.3, 0.0, 0.2]).quantile(0.99).item())
+    assert stats["p99"] == pytest.approx(
+        torch.tensor([0.1, 0.3, 0.3, 0.0, 0.2]).quantile(0.99).item())
 
 
 def test_memory_plan_holds_gradients_only_while_training():

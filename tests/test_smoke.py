@@ -1,4 +1,5 @@
-"""Run train.py in a subprocess exactly as the README does, for a couple of steps: catches what unit tests miss."""
+"""Run train.py in a subprocess exactly as the README does, for a couple of steps: catches what unit
+tests miss."""
 
 import json
 import subprocess
@@ -11,13 +12,17 @@ from replay import STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"
-pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="data/tiny_model not built (python -m data.build_tiny_model)")
+pytestmark = pytest.mark.skipif(
+    not (MODEL / "config.json").exists(),
+    reason="data/tiny_model not built (python -m data.build_tiny_model)")
 SMALL = ["--eval.n=16", "--eval.k=1", "--checkpoint.every=0", "--threads=1"]
 
 
 def run_train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", f"--out_dir={out}", *overrides]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False, env={**__import__("os").environ, "WANDB_MODE": "offline"})
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", f"--out_dir={out}",
+           *overrides]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+                       env={**__import__("os").environ, "WANDB_MODE": "offline"})
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 
@@ -27,15 +32,16 @@ def test_readme_command_two_steps(tmp_path):
     run_train(out, "--max_steps=2", *SMALL)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("generated_tokens", "tokens/generated_total", "tokens/trained", "reward_mean", "entropy", "entropy/fresh",
-                "response_len", "time/generate", "time/forward_backward", "clip_low", "approx_kl", "is_weight_min",
+    for key in ("generated_tokens", "tokens/generated_total", "tokens/trained", "reward_mean",
+                "entropy", "entropy/fresh", "response_len", "time/generate",
+                "time/forward_backward", "clip_low", "approx_kl", "is_weight_min",
                 "adv/zero_std_frac"):
         assert key in rows[0], key
     assert rows[1]["generated_tokens"] > rows[0]["generated_tokens"] > 0
     assert "eval/accuracy" in rows[-1]
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("eval_accuracy_initial", "eval_accuracy_final", "generated_tokens", "steps", "wall_seconds",
-                "eval_entropy_final", "tokens_trained"):
+    for key in ("eval_accuracy_initial", "eval_accuracy_final", "generated_tokens", "steps",
+                "wall_seconds", "eval_entropy_final", "tokens_trained"):
         assert summary[key] is not None, key
     assert (out / "config.yaml").exists()
     assert list((out / "wandb").glob("offline-run-*")), "an offline wandb run is written"
@@ -58,8 +64,9 @@ def test_every_tiny_config_runs(tmp_path, name):
     train.py for three steps."""
     out = tmp_path / name
     extra = ["--replay.exgrpo_min_solve=0"] if name == "exgrpo" else []
-    cmd = [sys.executable, "train.py", "--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}", "--max_steps=3",
-           "--rollout.batch_size=64", "--eval.every=0", "--wandb.mode=disabled", "--replay.tau_max=1", *SMALL, *extra]
+    cmd = [sys.executable, "train.py", "--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}",
+           "--max_steps=3", "--rollout.batch_size=64", "--eval.every=0", "--wandb.mode=disabled",
+           "--replay.tau_max=1", *SMALL, *extra]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -85,4 +92,6 @@ def test_every_tiny_config_runs(tmp_path, name):
     if name in ("epochs2", "epochs4", "gated"):  # every step measures the lm_head gradient
         assert all(r["optim/lm_head_grad_norm"] > 0 and r["optim/epochs_run"] >= 1 for r in rows)
     if name == "dynamic":  # the update holds only informative groups, whatever it cost in rounds
-        assert all(r["dynamic/rounds"] >= 1 and r["adv/zero_std_frac"] == 0 or r["dynamic/capped"] for r in rows)
+        assert all(r["dynamic/rounds"] >= 1 and r["adv/zero_std_frac"] == 0
+                   or r["dynamic/capped"]
+                   for r in rows)

@@ -1,4 +1,5 @@
-"""The embedded default: the procedural task and the committed tiny model, loaded the way a real model is."""
+"""The embedded default: the procedural task and the committed tiny model, loaded the way a real
+model is."""
 
 import json
 import subprocess
@@ -20,7 +21,8 @@ def test_task_is_seeded_and_held_out_is_fixed_and_disjoint():
     assert make_split("train", 50, seed=3) == make_split("train", 50, seed=3)
     assert make_split("train", 50, seed=3) != make_split("train", 50, seed=4)
     test = {p["problem"] for p in make_split("test", 500)}
-    assert test == {p["problem"] for p in make_split("test", 500)}  # independent of any training seed
+    # independent of any training seed
+    assert test == {p["problem"] for p in make_split("test", 500)}
     assert not test & {p["problem"] for p in make_split("train", 2000, seed=0)}
 
 
@@ -46,7 +48,9 @@ def test_answers_need_real_verification():
 
 def test_export_jsonl_reads_back_through_the_benchmark_loader(tmp_path):
     out = tmp_path / "tiny.jsonl"
-    subprocess.run([sys.executable, "-m", "data.tiny_task", "--split", "test", "--n", "20", "--out", str(out)], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-m", "data.tiny_task", "--split", "test", "--n", "20",
+                    "--out", str(out)],
+                   cwd=REPO, check=True)
     problems = load_problems(str(out))
     assert len(problems) == 20
     assert [p.answer for p in problems] == [p["answer"] for p in make_split("test", 20)]
@@ -63,9 +67,11 @@ def test_committed_model_loads_like_a_real_one():
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     assert model.config.model_type in ("qwen2", "qwen3")
     assert 0.8e6 <= sum(p.numel() for p in model.parameters()) <= 5e6  # "about 1–5 M parameters"
-    text = tok.apply_chat_template([{"role": "user", "content": "3/4+-5/6"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "3/4+-5/6"}], tokenize=False,
+                                   add_generation_prompt=True)
     text += "9/12-10/12=-1/12 \\boxed{-1/12}\n  x"
-    assert tok(text)["input_ids"] == build_tokenizer()(text)["input_ids"]  # what it was trained with
+    # what it was trained with
+    assert tok(text)["input_ids"] == build_tokenizer()(text)["input_ids"]
     assert tok.decode(tok(text)["input_ids"]) == text
     info = json.loads((MODEL / "build_info.json").read_text())
     assert 0.05 <= info["heldout_sampled_accuracy_t1"] <= 0.5

@@ -213,7 +213,8 @@ def test_vllm_sync_after_an_update(engines):
     )
     ro.advantage, _ = grpo.group_advantages(ro.reward, ro.group)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr)
-    _, _, skipped, _ = grpo.update_policy(update_settings(cfg), policy, policy, optimizer, ro, torch.device("cpu"))
+    _, _, skipped, _ = grpo.update_policy(update_settings(cfg), policy, policy, optimizer, ro,
+                                          torch.device("cpu"))
     assert skipped == [None]
     sampler = vllm_engine.VLLMSampler(policy, tok, stop, engine, torch.float32,
                                       torch.device("cpu"), False)
