@@ -1,5 +1,6 @@
 """bench/budget.py (issue #28's figures) on a small hand-made tree: each detector, the exit code."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,13 @@ def test_every_python_file_keeps_lines_of_at_most_100_characters():
         lines = enumerate(p.read_text().splitlines(), 1)
         long += [f"{p.relative_to(ROOT)}:{n}" for n, x in lines if len(x) > budget.MAX_CHARS]
     assert long == [], long[:20]
+
+
+def test_readmes_reading_order_gives_each_files_counted_lines():
+    """README's reading-order table says how many lines each file counts (as bench/budget.py
+    counts them): the figures stay true as the files change."""
+    table = r"^\| `(\w+\.py)` \| (\d+) \|"  # | `train.py` | 344 | ...
+    rows = re.findall(table, (ROOT / "README.md").read_text(), re.MULTILINE)
+    assert len(rows) >= 5
+    for name, lines in rows:
+        assert budget.measure(ROOT / name)["lines"] == int(lines), name
