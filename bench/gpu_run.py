@@ -42,7 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from support.util import kill_tree
+from support.util import kill_tree, run_capped
 
 CHECK = [sys.executable, str(REPO / "bench" / "gpu_check.py")]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
@@ -94,15 +94,7 @@ def child(cmd: list[str], report: Report, timeout: float, env: dict | None = Non
     seconds); the exit code is None when the cap stopped it."""
     report.say(f"$ {' '.join(cmd)}")
     t0 = time.time()
-    p = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-        code = p.returncode
-    except subprocess.TimeoutExpired:
-        kill_tree(p.pid)
-        out, _ = p.communicate()
-        code = None
+    code, out, _ = run_capped(cmd, timeout, cwd=REPO, env=env or ENV, stderr=subprocess.STDOUT)
     with report.log.open("a") as f:
         f.write(out)
     return code, out, time.time() - t0

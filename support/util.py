@@ -1,6 +1,7 @@
 """Small helpers: the bad-input error, an exception as one line, what a path or a text must be,
 dependencies kept quiet, a timer, a dtype by name, the global RNG streams as plain values; a
-process and everything it started, stopped (for the tests and bench scripts)."""
+process and everything it started, stopped, and a command run under a time cap (for the tests and
+bench scripts)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -183,3 +185,18 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def run_capped(cmd: list[str], timeout: float, **popen) -> tuple[int | None, str, str | None]:
+    """Run `cmd` in a session of its own to its end or for `timeout` seconds: (exit code, stdout,
+    stderr) as text; the code is None when the cap stopped it (kill_tree: nothing it started lives
+    on). `popen` goes to Popen (cwd, env; stderr=subprocess.STDOUT merges the two)."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} | popen
+    p = subprocess.Popen(cmd, text=True, start_new_session=True, **popen)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        out, err = p.communicate()
+        return None, out, err
+    return p.returncode, out, err

@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from support.util import kill_tree
+from support.util import run_capped
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -192,16 +192,11 @@ def torchrun(*args: str, n: int = 2, timeout: int = 400) -> subprocess.Completed
     and its workers are killed (no orphan survives)."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd = [*launch, f"--nproc_per_node={n}", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
+    code, out, err = run_capped(cmd, timeout, cwd=REPO, env=ENV)
+    if code is None:
         pytest.fail(f"torchrun timed out after {timeout}s: {err[-4000:]}")
-    assert proc.returncode == 0, err[-4000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    assert code == 0, err[-4000:]
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def write_result(out: str | Path, result: dict) -> None:

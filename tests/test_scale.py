@@ -32,7 +32,7 @@ from rollout import RolloutConfig, Rollouts, generate
 from support.logprobs import completion_logprobs, token_logprobs
 from support.models import load_policy
 from support.prompts import end_ids, prompt_ids
-from support.util import kill_tree
+from support.util import kill_tree, run_capped
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_AGGS = ("dapo", "grpo", "dr_grpo")
@@ -439,6 +439,20 @@ def test_kill_tree_stops_torchruns_workers_and_frees_its_pipes(tmp_path):
         time.sleep(0.05)
     assert not any(map(running, workers)), "a torchrun worker outlived kill_tree"
 
+
+
+def test_run_capped_returns_the_output_or_stops_at_its_cap():
+    """support.util.run_capped (tests' torchrun and gpu_run's steps): the exit code and both
+    streams of a command that ends; None once the cap passes, the command and what it started
+    killed; stderr merged into stdout on request."""
+    code = ("import sys, time; print('out'); print('err', file=sys.stderr); "
+            "time.sleep(float(sys.argv[1]))")
+    assert run_capped([sys.executable, "-c", code, "0"], 60) == (0, "out\n", "err\n")
+    merged = run_capped([sys.executable, "-c", code, "0"], 60, stderr=subprocess.STDOUT)
+    assert merged[0] == 0 and sorted(merged[1].split()) == ["err", "out"] and merged[2] is None
+    t0 = time.time()
+    assert run_capped([sys.executable, "-c", code, "600"], 2)[0] is None
+    assert time.time() - t0 < 30
 
 def test_fsdp_sigkill_then_resume_is_bit_identical(tmp_path):
     """model.parallel=fsdp on 2 processes: a run killed (SIGKILL, every process) after step 3 and
