@@ -18,6 +18,7 @@ from pathlib import Path
 from data.loaders import read_yaml_file
 from data.tiny_task import TEST_SIZE, TinyTask
 from grpo import GRPOConfig, UpdateSettings
+from methods.lookahead import LookaheadConfig
 from replay import ReplayConfig
 from rewards import RewardConfig
 from rollout import MIN_TEMPERATURE, RolloutConfig
@@ -161,6 +162,8 @@ class Config:
     stages: StageConfig = field(default_factory=StageConfig)
     """Staged rollouts: g1 samples per prompt first; a prompt with g1 of g1 correct stops there."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    """Several passes over one batch with drift control: SFPO's reposition, GXPO's extrapolation."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -180,6 +183,10 @@ class Config:
                                  "below rollout.group_size"),
                 "optim.minibatches": (mb < 1 or prompts % mb == 0,
                                       f"a divisor of the prompts per step ({prompts})"),
+                "optim.epochs": (self.lookahead.method == "none" or self.optim.epochs == 1,
+                                 "1 with lookahead.method sfpo or gxpo (it sets the passes)"),
+                "lookahead.method": (self.lookahead.method != "gxpo" or mb == 1,
+                                     "not gxpo with optim.minibatches > 1 (three passes a batch)"),
                 "rollout.engine": (vllm_ok, ("hf when vLLM is not installed "
                                              "(pip install -r requirements-vllm.txt)"))}
 

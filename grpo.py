@@ -55,6 +55,10 @@ symmetric clip against the sampling policy, k3 KL to a reference with beta > 0):
    (a Qwen2.5-0.5B-shaped model on a CPU) mean 0.004, max 0.05 nats. Logged as
    rollout/logp_gap_mean and _max (`logp_gap`); replayed rows' ratios carry it, on-policy rows
    never see it (2).
+14. Lookahead (lookahead.method, off by default; methods/lookahead.py): SFPO's K fast passes, a
+   reposition θ0 + α(θK − θ0) and a slow pass, or GXPO's two fast passes, an extrapolated move and
+   a corrective pass. Every pass clips against π_old as in 10; AdamW's moments run on through the
+   passes and across the move (both releases). Their own departures are listed there.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from methods.lookahead import Plain
 from support import parallel
 from support.gate import Gate
 from support.logprobs import _logprobs, micro_batches, no_grad_logprobs, train_mode
@@ -292,13 +297,13 @@ def _engine_weight(prox: Tensor, behav: Tensor, rows: Tensor | None, cap: float)
 # ------------------------------------------------------------------------------------ the update
 
 
-def minibatch_plan(n: int, o) -> list[tuple[int, Tensor]]:
-    """(pass, rows) of every optimizer step of an update over n rows: o.epochs passes, each a
+def minibatch_plan(n: int, o, passes: int) -> list[tuple[int, Tensor]]:
+    """(pass, rows) of every optimizer step of an update over n rows: `passes` passes, each a
     shuffle split into o.minibatches. The shuffles (torch's global RNG, saved in checkpoints) are
     all drawn first, so the RNG stream after the update does not depend on where a gate stopped
     it; with one mini-batch nothing is drawn, as before optim.epochs existed."""
     plan = []
-    for epoch in range(o.epochs):
+    for epoch in range(passes):
         order = torch.randperm(n) if o.minibatches > 1 else torch.arange(n)
         for rows in order.tensor_split(o.minibatches):
             plan.append((epoch, rows))
@@ -319,38 +324,50 @@ def get_lr(step: int, cfg) -> float:
 
 
 def update_policy(s: UpdateSettings, model, policy, optimizer, batch, device, compute=None,
-                  ref=None) -> tuple:
-    """optim.epochs passes over this rank's `batch`, each of optim.minibatches optimizer steps
-    (`minibatch_plan`, `micro_batches`, `Gate`). `model` is the HF module, `policy` what the
-    training forward goes through (compiled, DDP). Returns (metrics averaged over the steps, each
-    row's mean token entropy (NaN if not trained on), why each step was skipped (None when taken),
-    seconds per phase). Raises FloatingPointError when a step leaves non-finite weights."""
+                  ref=None, lookahead=None) -> tuple:
+    """The passes over this rank's `batch` that `lookahead` asks for (methods/lookahead.py: by
+    default optim.epochs), each of optim.minibatches optimizer steps (`minibatch_plan`,
+    `micro_batches`, `Gate`). `model` is the HF module, `policy` what the training forward goes
+    through (compiled, DDP). Returns (metrics averaged over the steps, each row's mean token
+    entropy (NaN if not trained on), why each step was skipped (None when taken), seconds per
+    phase). Raises FloatingPointError when a step leaves non-finite weights."""
     gate = None
     if s.optim.epochs > 1:
         gate = Gate(model, s.optim.gate)
+    if lookahead is None:
+        lookahead = Plain(s.optim.epochs)
     try:
         return _update(s, model, policy, optimizer, batch, device, compute or nullcontext(), ref,
-                       gate)
+                       gate, lookahead)
     finally:
         if gate is not None:
             gate.close()  # the hooks go with the update
 
 
-def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> tuple:
+def _update(s, model, policy, optimizer, batch, device, compute, ref, gate, lookahead) -> tuple:
     times, o = {}, s.optim
     trained = ~batch.truncated if s.mask_truncated else torch.ones(len(batch), dtype=torch.bool)
+    passes = lookahead.begin(model, batch)
+    # Token passes (what the update costs): each row's tokens, per forward that runs it
+    cost = {"tokens/fwd_bwd": 0, "tokens/no_grad": 0}
     with timed(times, "prox_logprobs"):  # π_old at the start of the step, for the later steps
-        reuse = o.minibatches > 1 or o.epochs > 1
+        reuse = o.minibatches > 1 or passes > 1
         prox = no_grad_logprobs(model, batch, s, compute, device)[0] if reuse else None  # (B, L)
+        cost["tokens/no_grad"] += int(batch.seq_len.sum()) if reuse else 0
     with timed(times, "ref_logprobs"):
         ref_lp = no_grad_logprobs(ref, batch, s, compute, device)[0] if ref is not None else None
+        cost["tokens/no_grad"] += int(batch.seq_len.sum()) if ref is not None else 0
     fresh = batch.completion_mask() & ~batch.replayed[:, None]  # (B, L) sampled for this step
     gaps = [] if prox is None else [logp_gap(prox, batch.behav_logp, fresh)]
     steps, reasons, entropy = [], [], torch.full((len(batch),), math.nan)
-    for epoch, rows in minibatch_plan(len(batch), o):  # the same steps on every rank
+    last_pass = -1
+    for epoch, rows in minibatch_plan(len(batch), o, passes):  # the same steps on every rank
+        if epoch != last_pass:  # SFPO's reposition, GXPO's extrapolation: between passes
+            lookahead.before_pass(epoch, model)
+            last_pass = epoch
         rows = rows[trained[rows]]
         # Before the first optimizer step the training forward is π_old itself (ratio exactly 1).
-        old = None if o.epochs > 1 and not steps else prox
+        old = None if passes > 1 and not steps else prox
         total = all_ranks(torch.tensor([len(rows), float(batch.completion_len[rows].sum()),
                                         float((batch.advantage[rows] != 0).any())]))  # (3,)
         run = rows[batch.advantage[rows] != 0] if s.loss.beta == 0 else rows  # A = 0: no grad
@@ -377,6 +394,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
                     if total[2] > 0:
                         parallel.backward(loss, real)
                 if real:
+                    cost["tokens/fwd_bwd"] += int(mb.seq_len.sum())
                     entropy[idx] = ((ent * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
                     if prox is None:  # one optimizer step: this forward is at the sampling weights
                         gaps.append(logp_gap(logp, mb.behav_logp, fresh[idx, :cols]))
@@ -384,6 +402,7 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
                     lo = torch.minimum(lo, m.pop("is_weight_min").cpu())
                     sums = {k: sums.get(k, 0.0) + v.double().cpu() for k, v in m.items()}
         with timed(times, "optimizer"):
+            lookahead.after_backward(epoch, model)  # GXPO: the gradient of this pass
             measured = gate.check(epoch) if gate else {}
             gated = measured.pop("gated", False)
             step = _optimizer_step(o.grad_clip, model, optimizer, sums, hi, lo, total[2] > 0, gated)
@@ -391,7 +410,9 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate) -> t
             reasons.append(steps[-1].pop("skipped"))
         if gated:  # the lm_head gradient surged: stop reusing this batch
             break
-    return _summary(steps, reasons, gaps, o.minibatches), entropy, reasons, times
+    summary = _summary(steps, reasons, gaps, o.minibatches) | lookahead.end(steps)
+    cost = dict(zip(cost, all_ranks(torch.tensor(list(cost.values()), dtype=torch.float64))))
+    return summary | cost, entropy, reasons, times
 
 
 def _summary(steps: list[dict], reasons: list, gaps: list[Tensor], minibatches: int) -> dict:

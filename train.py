@@ -31,6 +31,7 @@ from grpo import get_lr
 from config import Config, ConfigError, check_rules, load_config, update_settings, validate
 from data.loaders import load_task, prompt_stream
 from eval import run_eval
+from methods.lookahead import make_lookahead
 from replay import make_replay
 from rewards import overlong_penalty, score_batch
 from rollout import Rollouts
@@ -98,6 +99,7 @@ class Run:
     sampler: object = None  # rollout.HFSampler, or support/vllm.py's VLLMSampler
     skip: object = None  # support/greso.py's PromptSkip (skip.enabled: GRESO's prompt skipping)
     stages: object = None  # support/stages.py's Stages (stages.first > 0: staged rollouts)
+    lookahead: object = None  # methods/lookahead.py's: the passes over each batch (SFPO, GXPO)
     extra: dict = field(default_factory=dict)  # what checkpoints save beside the buffer
     notes: list = field(default_factory=list)  # set-up's notes, printed once it has succeeded
     folder: RunFolder = None  # out_dir, locked by rank 0 from the start of set-up to the end
@@ -166,7 +168,8 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
         raise RunError(f"replay: {oneline(e)}") from None
     r.skip = PromptSkip(cfg.skip, len(prompts), cfg.seed)  # the same state on every rank
     r.stages = Stages(cfg.stages, tokenizer.pad_token_id)
-    r.extra = {"skip": r.skip, "stages": r.stages}
+    r.lookahead = make_lookahead(cfg.lookahead, cfg.optim)  # SFPO, GXPO (lookahead.method)
+    r.extra = {"skip": r.skip, "stages": r.stages, "lookahead": r.lookahead}
     if ck:
         r.notes.append(checkpoint.restore(ck, state, cfg, model, optimizer, replay, r.progress,
                                           r.extra))
@@ -240,7 +243,8 @@ def loop(r: Run) -> int:
             group["lr"] = get_lr(step, cfg)
         # 5. Update: optim.minibatches optimizer steps, each of micro-batches. A stop waits for it.
         update, entropy, skipped, times = grpo.update_policy(
-            r.settings, r.model, r.policy, r.optimizer, batch, r.device, r.compute, r.ref)
+            r.settings, r.model, r.policy, r.optimizer, batch, r.device, r.compute, r.ref,
+            r.lookahead)
         t |= times
         with timed(t, "weight_sync"):  # the sampler takes the new weights (HF: it has them)
             r.sampler.sync(r.model)
@@ -361,12 +365,16 @@ def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, s
     keys = sorted(local)
     means = all_ranks(torch.tensor([float(local[k]) for k in keys])) / r.world
     p["trained_tokens"] += int(update["tokens"])
+    p["fwd_bwd_tokens"] += int(update["tokens/fwd_bwd"])  # what the update cost, every pass
+    p["no_grad_tokens"] += int(update["tokens/no_grad"])
     p["trained_rows"] += int(update["rows"])
     for reason in filter(None, skipped):
         p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # older checkpoints lack "gated"
     row = {"step": step + 1,
            "generated_tokens": p["generated_tokens"],
            "tokens/trained": p["trained_tokens"],
+           "tokens/fwd_bwd": p["fwd_bwd_tokens"],
+           "tokens/no_grad": p["no_grad_tokens"],
            "tokens/generated_total": p["generated_tokens"] + p["source_tokens"],
            "reward_mean": (s["reward"] / s["rows"]).item(),
            "correct_mean": (s["correct"] / s["rows"]).item(),
@@ -375,7 +383,8 @@ def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, s
            "entropy/fresh": (s["entropy"] / s["tokens"].clamp(min=1)).item(),
            "replay/rows": int(s["replayed"]),
            "replay/token_share": (s["replayed_tokens"] / s["batch_tokens"].clamp(min=1)).item()}
-    row |= {k: v for k, v in update.items() if k not in ("tokens", "rows")}
+    counted = ("tokens", "rows", "tokens/fwd_bwd", "tokens/no_grad")  # (summed above)
+    row |= {k: v for k, v in update.items() if k not in counted}
     row |= dict(zip(keys, means.tolist()))
     row["lr"] = r.optimizer.param_groups[0]["lr"]
     row |= {f"skipped/{k}": v for k, v in p["skipped"].items()}

@@ -53,6 +53,7 @@ def new_progress() -> dict:
     """A run's progress at its start: what train.py counts, saved in every checkpoint."""
     return {"step": 0, "data_pos": 0, "wall": 0.0, "wandb_id": None,
             "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0, "trained_rows": 0,
+            "fwd_bwd_tokens": 0, "no_grad_tokens": 0,
             "skipped": {"nonfinite": 0, "zero_adv": 0, "gated": 0},
             "eval_initial": {}, "eval_last": {},
             "pending_row": None}  # a step's metrics line until it is written

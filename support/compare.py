@@ -1,7 +1,7 @@
 """Compare training runs by arm (replay strategy), seeds as the unit of replication.
 
-Usage: python compare.py runs/repro/none-s0 runs/repro/aper-s0 ... --out-dir runs/repro/compare
-  (or python eval.py --compare ...; LABEL=RUN_DIR puts a run in arm LABEL, e.g. half=runs/x/aper-s0)
+Usage: python eval.py --compare runs/repro/none-s0 runs/repro/aper-s0 ... --out-dir runs/cmp
+  (LABEL=RUN_DIR puts a run in arm LABEL, e.g. half=runs/x/aper-s0)
 
 Primary, per run: the area, held-out accuracy averaged over the first `--budget` generated tokens.
 Per arm: its mean, the difference to the baseline, Welch's p, Holm's p over every arm, a verdict
@@ -9,7 +9,9 @@ and the difference its seeds could detect at Holm's strictest level. Secondary: 
 (the same tests); generated tokens to the baseline's final accuracy and to a target below its
 plateau (90 % of its mean gain), each as the ratio of the arm's median to the baseline's with a
 paired bootstrap interval (seeds resampled) and verdicts at 0.5× and 0.3×; the tokens trained on
-(the update's compute) to the second target, as the same ratio; steps to the final accuracy,
+(the update's compute) to the second target, as the same ratio; the token passes of the update
+(forward-backward) and the total compute (`compute`) to the targets, the same; steps to the final
+accuracy,
 O1-Pruner's AES, the eval entropy, tokens and rows trained in all.
 """
 
@@ -46,12 +48,18 @@ def load_run(path: str | Path) -> dict:
     optim = config.get("optim", {})
     if optim.get("epochs", 1) > 1:  # reuse too: epochs2, epochs4+gate, aper+epochs2
         tags.append(f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate")))
+    method = config.get("lookahead", {}).get("method", "none")
+    if method != "none":  # SFPO, GXPO: sfpo, aper+sfpo
+        tags.append(str(method))
     phase1 = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0)
     curve = [(0, phase1, summary.get("eval_accuracy_initial"), 0.0)]
     trained = {0: 0}  # step: tokens the updates trained on so far (the update's compute)
+    passes = {0: (0, 0)}  # step: token passes so far, (forward-backward, no-grad) (#47)
     for row in rows:
         if row.get("tokens/trained") is not None:
             trained[row.get("step")] = row["tokens/trained"]
+        if row.get("tokens/fwd_bwd") is not None:
+            passes[row.get("step")] = (row["tokens/fwd_bwd"], row.get("tokens/no_grad") or 0)
         tokens = row.get("tokens/generated_total", row.get("generated_tokens"))
         se = row.get("eval/accuracy_se", 0)
         curve.append((row.get("step"), tokens, row.get("eval/accuracy"), se))
@@ -59,6 +67,7 @@ def load_run(path: str | Path) -> dict:
     return {"path": str(path), "strategy": "+".join(tags).removeprefix("none+"),
             "config": flatten(config),
             "seed": summary.get("seed", config.get("seed")), "curve": curve, "trained": trained,
+            "passes": passes,
             "finished": bool(summary),
             "final": curve[-1][2] if curve else None,
             "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
@@ -66,6 +75,13 @@ def load_run(path: str | Path) -> dict:
             "trained_tokens": summary.get("tokens_trained"),  # the update's compute
             "trained_rows": summary.get("rows_trained"),  # (None in runs before #42)
             "entropy": summary.get("eval_entropy_final", rows[-1].get("eval/entropy"))}
+
+
+def compute(generated: float, fwd_bwd: float, no_grad: float) -> float:
+    """Total compute in units of N FLOPs (N the parameter count, the same in every arm): ≈ 2N per
+    generated token, 6N per token of a forward-backward, 2N per token of a no-grad forward. Left
+    out: generation's prompt prefill and attention's term in the sequence length."""
+    return 2 * generated + 6 * fwd_bwd + 2 * no_grad
 
 
 def area(curve: list[tuple], budget: float) -> float | None:
@@ -177,6 +193,12 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
         by_trained = [(c[0], run["trained"][c[0]], *c[2:]) for c in run["curve"]
                       if c[0] in run["trained"]]  # the same rule over trained tokens
         run["trained_to_gain"] = sustained_crossing(by_trained, gain_target)
+        counted = [c for c in run["curve"] if c[0] in run["passes"]]  # (runs before #47: none)
+        by_passes = [(c[0], run["passes"][c[0]][0], *c[2:]) for c in counted]
+        run["passes_to_gain"] = sustained_crossing(by_passes, gain_target)
+        by_compute = [(c[0], compute(c[1], *run["passes"][c[0]]), *c[2:]) for c in counted]
+        run["compute_to_gain"] = sustained_crossing(by_compute, gain_target)
+        run["compute_to_target"] = sustained_crossing(by_compute, target)
         by_step = [(c[0], c[0], c[2], c[3]) for c in run["curve"]]  # the same rule in steps
         run["steps_to_target"] = sustained_crossing(by_step, target)
         run["aes"] = math.nan
@@ -228,6 +250,9 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "trained_to_gain": (paired_ratio(pairs(runs, base, "trained_to_gain"))
                                 if all(len(run["trained"]) > 1 for run in runs + base)
                                 else (math.nan,) * 3),  # (runs before #42 logged none)
+            "passes_to_gain": counted_ratio(runs, base, "passes_to_gain"),
+            "compute_to_gain": counted_ratio(runs, base, "compute_to_gain"),
+            "compute_to_target": counted_ratio(runs, base, "compute_to_target"),
             "steps_ratio": statistics.median(steps), "steps_ratio_ci": bootstrap(steps),
             "aes_mean": mean(aes_v),
             "aes_ci": bootstrap(aes_v, statistics.fmean) if aes_v else (math.nan, math.nan),
@@ -242,6 +267,13 @@ def pairs(runs: list[dict], base: list[dict], key: str) -> list[tuple[float, flo
     by_seed = {run["seed"]: run for run in base}
     return [(unreached(run[key]), unreached(by_seed[run["seed"]][key]))
             for run in runs if run["seed"] in by_seed]
+
+
+def counted_ratio(runs: list[dict], base: list[dict], key: str) -> tuple:
+    """The paired ratio of `key`, a count of token passes (#47), or NaNs when a run logged none."""
+    if not all(len(run["passes"]) > 1 for run in runs + base):
+        return (math.nan,) * 3
+    return paired_ratio(pairs(runs, base, key))
 
 
 def mean_known(xs: list) -> float:

@@ -15,7 +15,8 @@ from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
 NUMBER = (int, float)
 NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated_total",
            "eval_entropy_final", "generated_tokens", "tokens/generated_total", "eval/accuracy",
-           "eval/accuracy_se", "eval/response_len", "eval/entropy", "tokens/trained"]
+           "eval/accuracy_se", "eval/response_len", "eval/entropy", "tokens/trained",
+           "tokens/fwd_bwd", "tokens/no_grad"]
 TYPES = {"strategy": str, "seed": int, "step": int} | dict.fromkeys(NUMBERS, NUMBER)
 FRACTIONS = {"eval_accuracy_initial", "eval/accuracy", "eval/accuracy_se"}  # in [0, 1]; the
 # other numbers finite and ≥ 0 (NaN, inf or a negative count would poison every mean)
@@ -28,8 +29,8 @@ UNCOMPARED = ("seed", "out_dir", "threads", "wandb.", "checkpoint.", "eval.every
               "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size",
               "rollout.vllm_")
 FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
-          "tokens_ratio", "tokens_to_gain", "trained_to_gain", "steps_to_target", "aes", "area",
-          "trained_tokens", "trained_rows"]
+          "tokens_ratio", "tokens_to_gain", "trained_to_gain", "passes_to_gain", "compute_to_gain",
+          "compute_to_target", "steps_to_target", "aes", "area", "trained_tokens", "trained_rows"]
 
 
 def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
@@ -109,6 +110,9 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
                f"tokens to {100 * target:.1f}% {paired}",
                f"tokens to {100 * gain:.1f}% (the gain target) {paired}",
                f"tokens trained to {100 * gain:.1f}% {paired}",
+               f"forward-backward token passes to {100 * gain:.1f}% {paired}",
+               f"total compute to {100 * gain:.1f}% {paired}",
+               f"total compute to {100 * target:.1f}% {paired}",
                f"steps to {100 * target:.1f}% ÷ {baseline}'s (95% CI)",
                "AES (95% CI)", "eval entropy", "tokens generated", "tokens trained", "rows trained"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
@@ -125,6 +129,8 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
                  f"{ratio} ({interval(row['ratio_ci'])}) [{seeds}]",
                  f"{row['reached']}/{row['seeds']}", ratio_cell(row["to_target"]),
                  ratio_cell(row["to_gain"]), ratio_cell(row["trained_to_gain"]),
+                 ratio_cell(row["passes_to_gain"]), ratio_cell(row["compute_to_gain"]),
+                 ratio_cell(row["compute_to_target"]),
                  f"{row['steps_ratio']:.2f} ({interval(row['steps_ratio_ci'])})",
                  f"{row['aes_mean']:.3f} ({interval(row['aes_ci'], fmt='.3f')})",
                  f"{row['entropy']:.3f}", f"{row['tokens']:.3g}",

@@ -1,0 +1,251 @@
+"""methods/lookahead.py (lookahead.method: SFPO, GXPO) and the update's token passes: the
+reposition and the extrapolation against values worked by hand; SFPO's fast passes are optim.epochs'
+passes and its slow pass starts from the repositioned point; AdamW's state runs on through every
+pass; the degenerate settings are GRPO bit for bit through train.py; a run SIGKILLed inside the
+passes resumes bit-exactly; tokens/fwd_bwd and tokens/no_grad equal the positions the model's
+forwards ran, counted by a hook.
+
+  python -m pytest -q tests/test_lookahead.py      # ~3 min on 2 idle CPU cores
+"""
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import test_reliability as reliability
+import torch
+from test_epochs import CPU, epochs_cfg
+from test_scale import synthetic_batch, tiny_qwen3
+
+import grpo
+from config import ConfigError, load_config, update_settings, validate
+from methods import lookahead
+from methods.lookahead import GXPO, SFPO, LookaheadConfig, lookahead_factor, reposition
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def test_reposition_is_theta0_plus_alpha_times_the_fast_move():
+    p = [torch.tensor([1.0, 2.0, -4.0])]
+    p0 = [torch.tensor([0.0, 4.0, -4.0])]
+    reposition(p, p0, 0.8)
+    torch.testing.assert_close(p[0], torch.tensor([0.8, 2.4, -4.0]), rtol=0, atol=1e-6)
+    q = [torch.tensor([3.0, -1.0])]
+    reposition(q, [torch.tensor([0.5, 0.25])], 0.0)
+    assert torch.equal(q[0], torch.tensor([0.5, 0.25])), "α = 0 is θ0 exactly"
+
+
+def test_gxpo_factor_by_hand():
+    """r = g1/g0 per coordinate; q = S_5(r)/S_2(r) clamped to [1, 3.5]; no signal: q = 1."""
+    g0 = torch.tensor([1.0, 1.0, 0.0, -2.0, 1.0, 1.0])
+    g1 = torch.tensor([0.5, -1.0, 1.0, -1.0, 10.0, -0.5])
+    q = lookahead_factor(g0, g1, 5)
+    half = (1 + 0.5 + 0.25 + 0.125 + 0.0625) / 1.5  # r = 0.5
+    neg = (1 - 0.5 + 0.25 - 0.125 + 0.0625) / 0.5  # r = −0.5: 1.375
+    # r = −1: S_2 = 0, q = 1; g0 = 0: no signal; r = 10 is clamped to 3: 121/4, then to 3.5
+    expected = torch.tensor([half, 1.0, 1.0, half, 3.5, neg])
+    torch.testing.assert_close(q, expected, rtol=0, atol=1e-6)
+
+
+def sfpo_settings(K: int, alpha: float):
+    cfg = epochs_cfg(1)
+    cfg.lookahead.method, cfg.lookahead.fast_steps, cfg.lookahead.alpha = "sfpo", K, alpha
+    return cfg
+
+
+def test_sfpo_fast_passes_are_epochs_then_the_reposition_then_one_slow_pass(monkeypatch):
+    """SFPO K = 3 against optim.epochs = 3 from the same start: the same θ3 (bit for bit), then
+    θ̃ = θ0 + α(θ3 − θ0) exactly, then a fourth optimizer step from θ̃; AdamW's step count is
+    K + 1 = 4 (its moments run on across the reposition)."""
+    base, batch = tiny_qwen3(300), synthetic_batch(300)
+    epochs = copy.deepcopy(base)
+    opt = torch.optim.AdamW(epochs.parameters(), lr=1e-2)
+    grpo.update_policy(update_settings(epochs_cfg(3)), epochs, epochs, opt, batch, CPU)
+    theta3 = {k: v.detach().clone() for k, v in epochs.named_parameters()}
+
+    model = copy.deepcopy(base)
+    theta0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    seen = {}
+    real = lookahead.reposition
+
+    def spy(params, start, alpha):
+        seen["fast"] = {k: v.detach().clone() for k, v in model.named_parameters()}
+        real(params, start, alpha)
+        seen["repositioned"] = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    monkeypatch.setattr(lookahead, "reposition", spy)
+    cfg = sfpo_settings(3, 0.8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sfpo = SFPO(cfg.lookahead)
+    metrics, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch,
+                                                CPU, lookahead=sfpo)
+    assert reasons == [None] * 4 and metrics["optim/epochs_run"] == 4.0
+    for k, v in theta3.items():
+        assert torch.equal(seen["fast"][k], v), f"fast passes differ from epochs=3 at {k}"
+        expected = theta0[k] + 0.8 * (v - theta0[k])
+        assert torch.equal(seen["repositioned"][k], expected), k
+    moved = (model.lm_head.weight - seen["repositioned"]["model.embed_tokens.weight"]).abs().max()
+    assert moved > 1e-4, "the slow pass steps from θ̃"
+    steps = {int(s["step"]) for s in opt.state.values()}
+    assert steps == {4}, "AdamW saw K + 1 steps"
+    assert metrics["lookahead/active"] == 1.0
+
+
+def test_gxpo_moves_from_theta0_by_alpha_q_times_two_fast_steps(monkeypatch):
+    """GXPO: the corrective pass runs at θ̃ = θ0 + α·q⊙(θ2 − θ0), q from the raw (pre-clip)
+    gradients of the two fast passes, taken here by a spy on the gradient clip."""
+    model, batch = tiny_qwen3(300), synthetic_batch(300)
+    batch.reward = torch.ones(len(batch))  # no zero rewards: GXPO is active
+    cfg = epochs_cfg(1)
+    cfg.lookahead.method, cfg.lookahead.fast_steps, cfg.lookahead.alpha = "gxpo", 5, 0.5
+    theta0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    grads, at = [], {}
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def raw(params, *a, **k):
+        grads.append({n: v.grad.detach().clone() for n, v in model.named_parameters()})
+        return clip(params, *a, **k)
+
+    gx = GXPO(cfg.lookahead)
+    real_before = gx.before_pass
+
+    def before(k, m):
+        if k == 2:
+            at["theta2"] = {n: v.detach().clone() for n, v in model.named_parameters()}
+        real_before(k, m)
+        if k == 2:
+            at["tilde"] = {n: v.detach().clone() for n, v in model.named_parameters()}
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", raw)
+    monkeypatch.setattr(gx, "before_pass", before)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    metrics, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch,
+                                                CPU, lookahead=gx)
+    assert reasons == [None] * 3 and metrics["lookahead/active"] == 1.0
+    assert len(grads) == 3
+    spread = []
+    for name, p0 in theta0.items():
+        q = lookahead_factor(grads[0][name], grads[1][name], 5)
+        expected = p0 + 0.5 * q * (at["theta2"][name] - p0)
+        torch.testing.assert_close(at["tilde"][name], expected, rtol=0, atol=1e-7, msg=name)
+        spread.append(float(q.max() - q.min()))
+    assert max(spread) > 0.1, "q differs between coordinates"
+    tilde = at["tilde"]["model.embed_tokens.weight"]
+    assert not torch.equal(model.lm_head.weight, tilde), "the corrective pass stepped"
+    assert {int(s["step"]) for s in opt.state.values()} == {3}, "AdamW saw the three passes"
+    assert gx.stopped == (abs(metrics["lookahead/z"]) >= 0.5)
+
+
+def test_gxpo_falls_back_to_one_pass_on_a_mostly_failed_batch_and_after_its_switch():
+    cfg = LookaheadConfig(method="gxpo", fast_steps=5, alpha=0.5)
+    gx = GXPO(cfg)
+    model, batch = tiny_qwen3(300), synthetic_batch(300)
+    batch.reward = torch.zeros(len(batch))
+    assert gx.begin(model, batch) == 1
+    batch.reward = torch.ones(len(batch))
+    assert gx.begin(model, batch) == 3
+    gx.stopped = True
+    assert gx.begin(model, batch) == 1
+
+
+def test_sfpo_stop_rule_latches_on_an_entropy_surge():
+    cfg = LookaheadConfig(method="sfpo", fast_steps=3, stop_window=4, stop_z=1.0)
+    sf = SFPO(cfg)
+    model, batch = tiny_qwen3(300), synthetic_batch(300)
+    for e in (1.0, 1.1, 0.9):
+        assert sf.begin(model, batch) == 4
+        sf.end([{"entropy": e}])
+    assert sf.begin(model, batch) == 4, "3 entropies: the window (4) is not full"
+    sf.end([{"entropy": 2.0}])  # z = (2 − 1.25)/0.43 = 1.73
+    assert sf.begin(model, batch) == 1 and sf.stopped
+    sf.end([{"entropy": 1.0}])
+    sf.end([{"entropy": 1.0}])
+    assert sf.begin(model, batch) == 1, "the stop is for good"
+
+
+def test_token_passes_equal_the_positions_the_forwards_ran():
+    """tokens/fwd_bwd: positions through forwards with grad; tokens/no_grad: without (π_old). A
+    forward hook counts them; with gradient checkpointing every forward runs whole rows."""
+    model, batch = tiny_qwen3(300), synthetic_batch(300)
+    cfg = sfpo_settings(2, 0.8)
+    cfg.model.gradient_checkpointing = True
+    counts = {True: 0, False: 0}
+
+    def hook(module, args, kwargs):
+        mask = kwargs["attention_mask"]
+        counts[torch.is_grad_enabled()] += int(mask[:, -kwargs["input_ids"].shape[1]:].sum())
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, CPU,
+                                              lookahead=SFPO(cfg.lookahead))
+    finally:
+        handle.remove()
+    assert metrics["tokens/fwd_bwd"] == counts[True] > 0
+    assert metrics["tokens/no_grad"] == counts[False] > 0
+    trained = int(batch.seq_len[batch.advantage != 0].sum())
+    assert counts[True] == 3 * trained, "K + 1 = 3 passes over the rows with an advantage"
+
+
+def test_lookahead_rules_refuse_what_would_mean_something_else(tmp_path):
+    for args, key in ((["--lookahead.method=sfpo", "--optim.epochs=2"], "optim.epochs"),
+                      (["--lookahead.method=gxpo", "--lookahead.fast_steps=1"],
+                       "lookahead.fast_steps"),
+                      (["--lookahead.method=gxpo", "--rollout.batch_size=64",
+                        "--optim.minibatches=2"], "lookahead.method"),
+                      (["--lookahead.method=lookahead"], "lookahead.method"),
+                      (["--lookahead.gate_ema=0"], "lookahead.gate_ema")):
+        cfg = load_config("configs/tiny.yaml", args)
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate(cfg)
+
+
+# ------------------------------------------------------------------------- through train.py
+
+@reliability.needs_model
+@pytest.mark.parametrize("degenerate", [
+    ("--lookahead.method=sfpo", "--lookahead.fast_steps=0"),  # θ0 snapshot, a no-op reposition
+    ("--lookahead.method=gxpo", "--lookahead.max_zero_share=0"),  # every batch: one plain pass
+])
+def test_degenerate_lookahead_is_grpo_bit_for_bit(tmp_path, degenerate):
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert reliability.run_train(ref, steps=3).returncode == 0
+    r = reliability.run_train(out, *degenerate, steps=3)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = reliability.metrics(ref), reliability.metrics(out)
+    for row_a, row_b in zip(a, b, strict=True):
+        assert row_b.pop("lookahead/active") == 0.0 if "gxpo" in degenerate[0] else True
+        assert row_a == row_b
+    for k, v in reliability.weights(ref / "final").items():
+        assert torch.equal(v, reliability.weights(out / "final")[k]), k
+
+
+@reliability.needs_model
+@pytest.mark.parametrize("method", ["sfpo", "gxpo"])
+def test_lookahead_sigkill_inside_the_passes_then_resume_is_bit_identical(tmp_path, method):
+    """SIGKILL while step 4's passes run (after step 3's line; the checkpoint is step 2's): the
+    resumed run logs the same lines and ends on the same weights; the stop rule's state came back
+    too (a short window, so it is in play)."""
+    args = (f"--lookahead.method={method}", "--lookahead.stop_window=2",
+            "--lookahead.max_zero_share=1", "--lookahead.gate_z=100")
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    r = reliability.run_train(ref, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = reliability.metrics(ref)
+    assert all(row["optim/epochs_run"] > 1 for row in rows[:2]), "the passes ran"
+    cmd = [sys.executable, "train.py", *reliability.TINY, f"--out_dir={out}", "--max_steps=6"]
+    cmd += args
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    proc = subprocess.Popen(cmd, cwd=reliability.REPO, env=reliability.ENV, **quiet)
+    if reliability.wait_for_step(proc, out / "metrics.jsonl", 3):
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before it could be killed"
+    r = reliability.run_train(out, "--resume", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step_000002" in r.stderr.replace("checkpoints/", "")
+    reliability.assert_same_run(ref, out)
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6
