@@ -25,10 +25,10 @@ from rollout import MIN_TEMPERATURE, RolloutConfig
 from support import vllm
 from support.checkpoint import CheckpointConfig
 from support.checks import budget
-from support.greso import SkipConfig
+from methods.greso import SkipConfig
 from support.models import ModelConfig
 from support.rundir import ASIDE, WandbConfig
-from support.stages import StageConfig
+from methods.stages import StageConfig
 from support.util import flatten, path_fault, text_fault
 
 MAX_THREADS = 1024  # torch starts them on its first parallel op: 10^11 would never start

@@ -32,7 +32,8 @@ import rewards
 from config import DataConfig
 from data.loaders import NAMED, Problem, load_problems
 from rollout import MIN_TEMPERATURE, RolloutConfig
-from support import compare, parallel
+from analysis import compare
+from support import parallel
 from support.checks import MAX_EVAL_SAMPLES, MAX_STEP_TOKENS
 from support.models import load_pretrained
 from support.preempt import STOP, Interrupted, generating, should_stop

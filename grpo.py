@@ -72,7 +72,7 @@ from torch import Tensor
 
 from methods.lookahead import Plain
 from support import parallel
-from support.gate import Gate
+from methods.gate import Gate
 from support.logprobs import _logprobs, micro_batches, no_grad_logprobs, train_mode
 from support.parallel import MAX, all_ranks
 from support.util import timed

@@ -41,10 +41,10 @@ from support.logprobs import row_entropy
 from support.models import load_run_model
 from support.parallel import MIN, all_ranks
 from support.preempt import STOP, Interrupted, generating, rewind
-from support.greso import PromptSkip
+from methods.greso import PromptSkip
 from support.prompts import chat_prompts, end_ids
 from support.rundir import RunFolder
-from support.stages import Stages
+from methods.stages import Stages
 from support.util import RunError, oneline, quiet, timed, torch_dtype
 from support.vllm import make_sampler
 
@@ -97,8 +97,8 @@ class Run:
     settings: grpo.UpdateSettings  # what grpo's update and no-grad passes read of cfg
     progress: dict = field(default_factory=checkpoint.new_progress)  # saved in checkpoints
     sampler: object = None  # rollout.HFSampler, or support/vllm.py's VLLMSampler
-    skip: object = None  # support/greso.py's PromptSkip (skip.enabled: GRESO's prompt skipping)
-    stages: object = None  # support/stages.py's Stages (stages.first > 0: staged rollouts)
+    skip: object = None  # methods/greso.py's PromptSkip (skip.enabled: GRESO's prompt skipping)
+    stages: object = None  # methods/stages.py's Stages (stages.first > 0: staged rollouts)
     lookahead: object = None  # methods/lookahead.py's: the passes over each batch (SFPO, GXPO)
     extra: dict = field(default_factory=dict)  # what checkpoints save beside the buffer
     notes: list = field(default_factory=list)  # set-up's notes, printed once it has succeeded

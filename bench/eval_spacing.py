@@ -7,9 +7,9 @@ Usage:
 Evaluation never changes training (its sampling has its own RNG stream), so the evals of a run at
 multiples of `--every` are exactly what a run with `eval.every: <every>` would have logged. Per arm,
 for its runs evaluated every 5 steps: the seed-to-seed standard deviation of the area
-(support.compare.area) from every eval and from the coarser grid only, and the mean and standard
+(analysis.compare.area) from every eval and from the coarser grid only, and the mean and standard
 deviation of their per-run difference, the error the coarser grid adds. The budget defaults to the
-shortest `none` run's generated tokens, as support/compare.py's does.
+shortest `none` run's generated tokens, as analysis/compare.py's does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.compare import area, load_run
+from analysis.compare import area, load_run
 
 
 def main() -> int:

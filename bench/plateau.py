@@ -4,7 +4,7 @@ seed-mean curve.
 Usage:
   python bench/plateau.py runs/repro/none-s{0,1,2,3,4,5,6,7,8,9}
 
-Every curve is first cut to the evals all runs share (support.compare.common_grid), so runs
+Every curve is first cut to the evals all runs share (analysis.compare.common_grid), so runs
 evaluated every 5 and every 10 steps are judged at the same steps. Per run: the last three
 `eval/accuracy` values and their spread (max − min) against that run's last standard error
 (`eval/accuracy_se`, over problems). On the seed mean: the same spread against the standard error
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.compare import common_grid, load_run, seed_mean_curve
+from analysis.compare import common_grid, load_run, seed_mean_curve
 
 
 def verdict(spread: float, se: float, flat: str, moving: str) -> str:

@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.stats import t_quantile
+from analysis.stats import t_quantile
 
 
 def seed_curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ from fixtures import previous_run, snapshot
 
 import eval as ev
 import train
-from support import compare
+from analysis import compare
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"

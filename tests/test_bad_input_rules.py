@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 import eval as ev
 import train
-from support import compare, integrity
+from analysis import compare
+from support import integrity
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "data" / "tiny_model"

@@ -1,4 +1,4 @@
-"""support/compare.py (`eval.py --compare`): the area under accuracy vs generated tokens, Holm's
+"""analysis/compare.py (`eval.py --compare`): the area under accuracy vs generated tokens, Holm's
 adjustment and the detectable difference against hand-computed values; crossings, intervals, AES
 and the table on synthetic run folders; bench/plateau.py on hand-made curves."""
 
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import eval as ev
-from support import compare as cp
+from analysis import compare as cp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +134,7 @@ def test_power_detectable_difference_hand_computed():
 
 def test_area_table_end_to_end_on_train_run_folders(tmp_path, capsys):
     """Run folders as train.py writes them through `eval.py --compare` and `python -m
-    support.compare`: evals at 0, 200, 400, 600 tokens, so with the default budget (none's mean
+    analysis.compare`: evals at 0, 200, 400, 600 tokens, so with the default budget (none's mean
     total, 600) the area is (y0 + 2 y1 + 2 y2 + y3) / 6."""
     arms = {"none": [[0.2, 0.3, 0.4, 0.5], [0.2, 0.32, 0.41, 0.5], [0.2, 0.29, 0.42, 0.52]],
             "better": [[0.2, 0.4, 0.5, 0.6], [0.2, 0.42, 0.52, 0.6], [0.2, 0.41, 0.5, 0.61]],
@@ -185,8 +185,8 @@ def test_area_table_end_to_end_on_train_run_folders(tmp_path, capsys):
     assert "area to 600 tokens" in lines[0] and lines[2].startswith("| none | 3 |")
     row = next(ln for ln in lines if ln.startswith("| better |"))
     assert f"| +{100 * s['better']['area_diff']:.1f} |" in row and "| better |" in row[10:]
-    # the same table from `python -m support.compare`, and --budget covers the short run
-    cmd = [sys.executable, "-m", "support.compare", *map(str, runs),
+    # the same table from `python -m analysis.compare`, and --budget covers the short run
+    cmd = [sys.executable, "-m", "analysis.compare", *map(str, runs),
            "--out-dir", str(tmp_path / "again")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -459,7 +459,7 @@ def test_paired_ratio_of_medians_resamples_seeds_with_both_values():
     """The ratio is median(arm) / median(baseline); each bootstrap resample draws seeds, each with
     its pair. Two seeds: resamples {1,1}, {1,2}, {2,1}, {2,2} give ratios 0.5, 0.5 (medians 3/6),
     0.5, 0.5, so the interval is exactly 0.5; unpaired resampling would spread it."""
-    from support.stats import paired_ratio, ratio_of_medians
+    from analysis.stats import paired_ratio, ratio_of_medians
 
     assert paired_ratio([(2.0, 4.0), (4.0, 8.0)]) == (0.5, 0.5, 0.5)
     assert ratio_of_medians([(math.inf, 4.0), (math.inf, 8.0)]) == math.inf
@@ -504,7 +504,7 @@ def test_gain_target_and_paired_ratios_in_the_table(tmp_path):
     # the update's compute: fast trains 120 tokens a step, none 80: 3.2 · 120 = 384 against
     # 6 · 80 = 480 tokens trained to the gain target
     assert row["trained_to_gain"] == pytest.approx((384 / 480,) * 3)
-    from support.compare_io import ratio_cell
+    from analysis.compare_io import ratio_cell
 
     assert ratio_cell(row["to_target"]).endswith("[shown / shown]")
     assert ratio_cell((0.45, 0.35, 0.48)).endswith("[shown / ruled out]")

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 from config import Config, update_settings
-from support.gate import OutputGrad
+from methods.gate import OutputGrad
 from support.logprobs import completion_logprobs
 
 BEFORE_EPOCHS = "c6970d2"  # main before optim.epochs: "today's update"
@@ -361,7 +361,7 @@ def test_epochs_arms_have_their_own_compare_label(tmp_path):
     """eval.py --compare puts a reuse run in an arm of its own, never in the `none` baseline."""
     import yaml
 
-    from support.compare import load_run
+    from analysis.compare import load_run
 
     cases = [(1, 0.0, "none", "none"), (2, 0.0, "none", "epochs2"),
              (4, 1.0, "none", "epochs4+gate"), (2, 0.0, "aper", "aper+epochs2")]

@@ -1,4 +1,4 @@
-"""Unit tests for support/greso.py (prompt skipping) and support/stages.py (staged rollouts):
+"""Unit tests for methods/greso.py (prompt skipping) and methods/stages.py (staged rollouts):
 hand-computed skip probabilities on made-up traces, the p nudge and its clamps, choose()'s
 replacement in data order, exact resume, and the stage rule on every pattern of stage-1 results."""
 
@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from support import stages
-from support.greso import PromptSkip, SkipConfig
+from methods import stages
+from methods.greso import PromptSkip, SkipConfig
 
 ON = SkipConfig(enabled=True)  # (off, choose takes the next n and update learns nothing)
 # a long run at p_min skips with 1 − 1e-9: never drawn as kept

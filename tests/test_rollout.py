@@ -19,7 +19,7 @@ from data.loaders import Problem, load_problems
 from replay import ReplayConfig, make_replay
 from rewards import RewardConfig, overlong_penalty, score_batch
 from rollout import HFSampler, RolloutConfig, generate
-from support import compare
+from analysis import compare
 from support.logprobs import token_logprobs
 from support.models import load_pretrained
 from support.prompts import end_ids, end_of_turn, prompt_ids

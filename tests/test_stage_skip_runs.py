@@ -17,7 +17,7 @@ import torch
 import rollout
 import train
 from rollout import Rollouts
-from support.stages import StageConfig, Stages
+from methods.stages import StageConfig, Stages
 from tests.test_reliability import ENV, MODEL, REPO, needs_model, wait_for_step, weights
 
 STEPS = 8

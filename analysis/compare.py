@@ -22,8 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from support.compare_io import compare_table, mixed_configs, read_run, write
-from support.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, paired_ratio,
+from analysis.compare_io import compare_table, mixed_configs, read_run, write
+from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, paired_ratio,
                            welch_p)
 from support.util import OneLineParser, flatten
 

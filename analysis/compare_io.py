@@ -1,4 +1,4 @@
-"""The files of the run comparison (support/compare.py): what it reads of each run folder, every
+"""The files of the run comparison (analysis/compare.py): what it reads of each run folder, every
 field checked for its type and domain and the runs of an arm checked to be seeds of one config, and
 what it writes: the markdown table of the arms, compare.csv (per run), compare.json (per arm, run).
 """

@@ -1,4 +1,4 @@
-"""The statistics of the run comparison (support/compare.py): intervals, Welch's t-test, Holm's
+"""The statistics of the run comparison (analysis/compare.py): intervals, Welch's t-test, Holm's
 adjustment, the difference seeds could detect, a bootstrap of medians, O1-Pruner's AES.
 """
 
