@@ -19,7 +19,7 @@ from data.loaders import read_yaml_file
 from data.tiny_task import TEST_SIZE, TinyTask
 from grpo import GRPOConfig, UpdateSettings
 from methods.lookahead import LookaheadConfig
-from replay import ReplayConfig
+from replay import ReplayConfig, sizes
 from rewards import RewardConfig
 from rollout import MIN_TEMPERATURE, RolloutConfig
 from support import vllm
@@ -330,7 +330,7 @@ def validate(cfg: Config) -> None:
     specs = cfg.data.eval.split(",")
     # eval.n = 0 takes every problem: the tiny task's held-out split, a file's once it is loaded
     eval_problems = cfg.eval.n * len(specs) if cfg.eval.n else TEST_SIZE * specs.count("tiny")
-    check_rules(cfg, budget(cfg, eval_problems, cfg.rollout.max_new_tokens + 1))
+    check_rules(cfg, budget(cfg, eval_problems, sizes(cfg.replay, cfg.rollout.max_new_tokens + 1)))
 
 
 def _rules(section, prefix: str = "") -> list[tuple[str, bool, str]]:

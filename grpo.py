@@ -64,16 +64,19 @@ symmetric clip against the sampling policy, k3 KL to a reference with beta > 0):
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
-from methods.lookahead import Plain
-from support import parallel
 from methods.gate import Gate
-from support.logprobs import _logprobs, micro_batches, no_grad_logprobs, train_mode
+from methods.lookahead import Plain
+from rollout import Row, pack
+from support import parallel
+from support.logprobs import completion_logprobs
+from support.parallel import hf_module
 from support.parallel import MAX, all_ranks
 from support.util import timed
 
@@ -294,6 +297,86 @@ def _engine_weight(prox: Tensor, behav: Tensor, rows: Tensor | None, cap: float)
     return torch.where(rows.bool()[:, None], w, 1.0)
 
 
+# ------------------------------------------------------------------ the update's log-prob passes
+
+
+def policy_logprobs(model, rows, s: UpdateSettings, device,
+                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """logp (b, l): log π(token | the tokens before it) at the sampling temperature of each
+    completion token of `rows` (Rollouts) under `model`, 0 on prompt and padding; with_entropy:
+    also the entropy (b, l) of the distribution that predicted it (no gradient). This is the loss's
+    `logp`, with gradients when called under grad. The output layer and the log-softmax run in
+    chunks in float32 (support/logprobs.py: no (b, l, V) tensor); each distinct prompt runs once
+    and its KV cache serves its rows, unless gradient checkpointing drops the cache or an FSDP
+    backward would need weights it has freed."""
+    # FSDP: asked of the module, not of a parameter (an unsharded root holds plain tensors)
+    sharded = isinstance(hf_module(model), FSDPModule)
+    share = not s.gradient_checkpointing and not (torch.is_grad_enabled() and sharded)
+    return completion_logprobs(model, rows.tokens.to(device), rows.prompt_len.to(device),
+                               rows.seq_len.to(device), s.temperature, with_entropy,
+                               share_prompt=share)
+
+
+@contextmanager
+def train_mode(model):
+    """`model` in train mode while inside (the training forwards and their backward), then as it
+    was. Loaded models stay in eval mode elsewhere (generation, the no-grad passes). HF recomputes
+    activations (model.gradient_checkpointing) only in train mode, and LoRA's adapter dropout acts
+    only then; a checkpoint's own dropout would act too, and the first step's ratio would not be 1
+    (the paper models set none: attention_dropout 0)."""
+    was = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def no_grad_logprobs(model, batch, s, compute, device,
+                     with_entropy=False) -> tuple[Tensor, Tensor]:
+    """(B, L) log-probs (and entropies) of `batch`'s rows under `model`, without gradients,
+    optim.logprob_batch_size rows at a time. Under FSDP each forward is collective, so a rank with
+    fewer chunks repeats a chunk (discarded)."""
+    logp, ent = torch.zeros(batch.tokens.shape), torch.zeros(batch.tokens.shape)  # (B, L)
+    chunks = list(torch.argsort(batch.completion_len).split(s.optim.logprob_batch_size))
+    for j in range(int(all_ranks(len(chunks), MAX))):
+        rows = chunks[min(j, len(chunks) - 1)]
+        with torch.no_grad(), compute:
+            lp, e = policy_logprobs(model, batch.select(rows), s, device, with_entropy)
+        if j < len(chunks):
+            logp[rows, : lp.shape[1]] = lp.float().cpu()
+            ent[rows, : lp.shape[1]] = e.float().cpu() if with_entropy else 0.0
+    return logp, ent
+
+
+def micro_batches(rows: Tensor, completion_len: Tensor, seq_len: Tensor, o) -> list[Tensor]:
+    """`rows` (indices) sorted by completion length and cut into micro-batches (o is optim.*):
+    of o.micro_batch_size rows, or, when o.micro_batch_tokens > 0, as many rows as fit in that
+    many padded tokens (a longer row goes alone). The loss does not depend on the cut."""
+    rows = rows[torch.argsort(completion_len[rows], stable=True)]
+    if o.micro_batch_tokens == 0:
+        return [m for m in rows.split(o.micro_batch_size) if len(m)]
+    out, start, longest = [], 0, 0
+    for k, i in enumerate(rows.tolist()):
+        longest = max(longest, int(seq_len[i]))
+        if k > start and (k + 1 - start) * longest > o.micro_batch_tokens:
+            out.append(rows[start:k])
+            start, longest = k, int(seq_len[i])
+    if len(rows) > start:
+        out.append(rows[start:])
+    return out
+
+
+def row_entropy(model, rows, settings, compute, device) -> Tensor:
+    """(B,) the policy's mean token entropy of each row (exgrpo scores stored rows by it); every
+    rank calls it together."""
+    n = len(rows)
+    if n == 0:  # a stand-in row runs, so every rank's passes match; its value is dropped
+        rows = pack([Row([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
+    _, ent = no_grad_logprobs(model, rows, settings, compute, device, with_entropy=True)
+    return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]
+
+
 # ------------------------------------------------------------------------------------ the update
 
 
@@ -344,23 +427,41 @@ def update_policy(s: UpdateSettings, model, policy, optimizer, batch, device, co
             gate.close()  # the hooks go with the update
 
 
+@dataclass
+class Pass:
+    """What every optimizer step of one update shares: the batch, the log-probs fixed at the start
+    of the step, and what the steps accumulate."""
+
+    batch: object  # Rollouts: this rank's update batch
+    prox: Tensor | None  # (B, L) π_old, when a later optimizer step needs it
+    ref: Tensor | None  # (B, L) the reference's, when beta > 0
+    fresh: Tensor  # (B, L) completion tokens sampled for this step (not replayed)
+    entropy: Tensor  # (B,) each row's mean token entropy, NaN until trained on
+    gaps: list  # logp_gap sums of the fresh tokens at the sampling weights
+    cost: dict  # token passes: tokens/fwd_bwd, tokens/no_grad (this rank's)
+
+
 def _update(s, model, policy, optimizer, batch, device, compute, ref, gate, lookahead) -> tuple:
     times, o = {}, s.optim
     trained = ~batch.truncated if s.mask_truncated else torch.ones(len(batch), dtype=torch.bool)
     passes = lookahead.begin(model, batch)
     # Token passes (what the update costs): each row's tokens, per forward that runs it
     cost = {"tokens/fwd_bwd": 0, "tokens/no_grad": 0}
+    reuse = o.minibatches > 1 or passes > 1
+    prox, ref_lp = None, None
     with timed(times, "prox_logprobs"):  # π_old at the start of the step, for the later steps
-        reuse = o.minibatches > 1 or passes > 1
-        prox = no_grad_logprobs(model, batch, s, compute, device)[0] if reuse else None  # (B, L)
-        cost["tokens/no_grad"] += int(batch.seq_len.sum()) if reuse else 0
+        if reuse:
+            prox = no_grad_logprobs(model, batch, s, compute, device)[0]  # (B, L)
+            cost["tokens/no_grad"] += int(batch.seq_len.sum())
     with timed(times, "ref_logprobs"):
-        ref_lp = no_grad_logprobs(ref, batch, s, compute, device)[0] if ref is not None else None
-        cost["tokens/no_grad"] += int(batch.seq_len.sum()) if ref is not None else 0
+        if ref is not None:
+            ref_lp = no_grad_logprobs(ref, batch, s, compute, device)[0]  # (B, L)
+            cost["tokens/no_grad"] += int(batch.seq_len.sum())
     fresh = batch.completion_mask() & ~batch.replayed[:, None]  # (B, L) sampled for this step
     gaps = [] if prox is None else [logp_gap(prox, batch.behav_logp, fresh)]
-    steps, reasons, entropy = [], [], torch.full((len(batch),), math.nan)
-    last_pass = -1
+    entropy = torch.full((len(batch),), math.nan)
+    at = Pass(batch, prox, ref_lp, fresh, entropy, gaps, cost)
+    steps, reasons, last_pass = [], [], -1
     for epoch, rows in minibatch_plan(len(batch), o, passes):  # the same steps on every rank
         if epoch != last_pass:  # SFPO's reposition, GXPO's extrapolation: between passes
             lookahead.before_pass(epoch, model)
@@ -368,44 +469,19 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate, look
         rows = rows[trained[rows]]
         # Before the first optimizer step the training forward is π_old itself (ratio exactly 1).
         old = None if passes > 1 and not steps else prox
-        total = all_ranks(torch.tensor([len(rows), float(batch.completion_len[rows].sum()),
-                                        float((batch.advantage[rows] != 0).any())]))  # (3,)
         run = rows[batch.advantage[rows] != 0] if s.loss.beta == 0 else rows  # A = 0: no grad
-        micro = micro_batches(run, batch.completion_len, batch.seq_len, o)
-        n_micro = int(all_ranks(max(1, len(micro)), MAX))
+        n_seqs, n_tokens, signal = all_ranks(torch.tensor(
+            [len(rows), float(batch.completion_len[rows].sum()),
+             float((batch.advantage[rows] != 0).any())])).tolist()  # over every rank's rows
         optimizer.zero_grad(set_to_none=True)
-        sums, hi, lo = {}, torch.tensor(-math.inf), torch.tensor(math.inf)
         with timed(times, "forward_backward"), train_mode(policy):  # (checkpointing needs it)
-            for j in range(n_micro):
-                real = j < len(micro)
-                idx = micro[j] if real else torch.arange(1)  # a stand-in of loss weight 0
-                mb = batch.select(idx)
-                mask, cols = mb.completion_mask().to(device), mb.tokens.shape[1]
-                with parallel.micro_sync(policy, last=j == n_micro - 1), compute:
-                    logp, ent = _logprobs(policy, mb, s, device, with_entropy=True)  # (b, l)
-                    loss, m = policy_loss(
-                        logp, mb.behav_logp.to(device), mb.advantage.to(device), mask,
-                        mb.onpolicy.to(device), s.loss, n_seqs=max(1, int(total[0])),
-                        n_tokens=max(1, int(total[1])), entropy=ent,
-                        max_new_tokens=s.max_new_tokens,
-                        engine_rows=engine_rows(s.engine, mb, device),
-                        prox_logp=None if old is None else old[idx, :cols].to(device),
-                        ref_logp=None if ref_lp is None else ref_lp[idx, :cols].to(device))
-                    if total[2] > 0:
-                        parallel.backward(loss, real)
-                if real:
-                    cost["tokens/fwd_bwd"] += int(mb.seq_len.sum())
-                    entropy[idx] = ((ent * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
-                    if prox is None:  # one optimizer step: this forward is at the sampling weights
-                        gaps.append(logp_gap(logp, mb.behav_logp, fresh[idx, :cols]))
-                    hi = torch.maximum(hi, m.pop("is_weight_max").cpu())
-                    lo = torch.minimum(lo, m.pop("is_weight_min").cpu())
-                    sums = {k: sums.get(k, 0.0) + v.double().cpu() for k, v in m.items()}
+            sums, hi, lo = _forward_backward(s, policy, at, run, old, n_seqs, n_tokens,
+                                             signal > 0, device, compute)
         with timed(times, "optimizer"):
             lookahead.after_backward(epoch, model)  # GXPO: the gradient of this pass
             measured = gate.check(epoch) if gate else {}
             gated = measured.pop("gated", False)
-            step = _optimizer_step(o.grad_clip, model, optimizer, sums, hi, lo, total[2] > 0, gated)
+            step = _optimizer_step(o.grad_clip, model, optimizer, sums, hi, lo, signal > 0, gated)
             steps.append(step | measured | {"rows": all_ranks(float(len(run)))})
             reasons.append(steps[-1].pop("skipped"))
         if gated:  # the lm_head gradient surged: stop reusing this batch
@@ -413,6 +489,46 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate, look
     summary = _summary(steps, reasons, gaps, o.minibatches) | lookahead.end(steps)
     cost = dict(zip(cost, all_ranks(torch.tensor(list(cost.values()), dtype=torch.float64))))
     return summary | cost, entropy, reasons, times
+
+
+def _forward_backward(s, policy, at: Pass, run: Tensor, old: Tensor | None, n_seqs: float,
+                      n_tokens: float, signal: bool, device, compute) -> tuple:
+    """The loss of rows `run` (indices into at.batch), micro-batch by micro-batch, and its
+    gradient accumulated (n_seqs and n_tokens: the optimizer step's totals over every rank; no
+    backward when no rank has a non-zero advantage). Returns the metrics' sums and the extreme
+    importance weights; each row's entropy, the fresh tokens' logp gap and the token passes go
+    into `at`."""
+    o, batch = s.optim, at.batch
+    micro = micro_batches(run, batch.completion_len, batch.seq_len, o)
+    n_micro = int(all_ranks(max(1, len(micro)), MAX))  # every rank runs as many (collectives)
+    sums, hi, lo = {}, torch.tensor(-math.inf), torch.tensor(math.inf)
+    for j in range(n_micro):
+        real = j < len(micro)
+        idx = micro[j] if real else torch.arange(1)  # a stand-in of loss weight 0
+        mb = batch.select(idx)
+        mask, cols = mb.completion_mask().to(device), mb.tokens.shape[1]
+        with parallel.micro_sync(policy, last=j == n_micro - 1), compute:
+            logp, ent = policy_logprobs(policy, mb, s, device, with_entropy=True)  # (b, l)
+            loss, m = policy_loss(
+                logp, mb.behav_logp.to(device), mb.advantage.to(device), mask,
+                mb.onpolicy.to(device), s.loss, n_seqs=max(1, int(n_seqs)),
+                n_tokens=max(1, int(n_tokens)), entropy=ent,
+                max_new_tokens=s.max_new_tokens,
+                engine_rows=engine_rows(s.engine, mb, device),
+                prox_logp=None if old is None else old[idx, :cols].to(device),
+                ref_logp=None if at.ref is None else at.ref[idx, :cols].to(device))
+            if signal:
+                parallel.backward(loss, real)
+        if not real:
+            continue
+        at.cost["tokens/fwd_bwd"] += int(mb.seq_len.sum())
+        at.entropy[idx] = ((ent * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()
+        if at.prox is None:  # one optimizer step: this forward is at the sampling weights
+            at.gaps.append(logp_gap(logp, mb.behav_logp, at.fresh[idx, :cols]))
+        hi = torch.maximum(hi, m.pop("is_weight_max").cpu())
+        lo = torch.minimum(lo, m.pop("is_weight_min").cpu())
+        sums = {k: sums.get(k, 0.0) + v.double().cpu() for k, v in m.items()}
+    return sums, hi, lo
 
 
 def _summary(steps: list[dict], reasons: list, gaps: list[Tensor], minibatches: int) -> dict:

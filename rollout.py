@@ -20,8 +20,8 @@ import torch
 import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from support.logprobs import cache_kwarg, kv_cache, output_layer
-from support.models import hf_module
+from support.logprobs import cache_kwarg, kv_cache, use_chunked_head
+from support.parallel import hf_module
 from support.preempt import Interrupted, StopRequested, should_stop
 
 
@@ -269,7 +269,7 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     own = hf.generation_config  # (under LoRA, the transformers module's inside peft's wrapper)
     model.eval()
     hf.generation_config = GenerationConfig()  # nothing of the model's fills what ours leaves unset
-    output_layer(model)  # float32 logits, as the training pass computes them
+    use_chunked_head(model)  # float32 logits, as the training pass computes them
     rows = []
     try:
         for start in range(0, len(expanded), cfg.gen_batch_size):

@@ -31,13 +31,13 @@ from grpo import get_lr
 from config import Config, ConfigError, check_rules, load_config, update_settings, validate
 from data.loaders import load_task, prompt_stream
 from eval import run_eval
+from methods import dynamic
 from methods.lookahead import make_lookahead
-from replay import make_replay
+from replay import make_replay, sizes
 from rewards import overlong_penalty, score_batch
 from rollout import Rollouts
 from support import checkpoint, parallel
 from support.checks import budget
-from support.logprobs import row_entropy
 from support.models import load_run_model
 from support.parallel import MIN, all_ranks
 from support.preempt import STOP, Interrupted, generating, rewind
@@ -69,6 +69,11 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+
+# The update's counts that progress sums: tokens and rows trained, tokens of its forward-backward
+# passes (every pass over the batch) and of its no-grad passes (π_old, the reference)
+COUNTERS = {"trained_tokens": "tokens", "trained_rows": "rows", "fwd_bwd_tokens": "tokens/fwd_bwd",
+            "no_grad_tokens": "tokens/no_grad"}
 
 # ------------------------------------------------------------------------------------- set-up
 
@@ -148,19 +153,22 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
     optimizer = torch.optim.AdamW(trained, lr=cfg.optim.lr, betas=betas,
                                   weight_decay=cfg.optim.weight_decay)
     max_len = max(map(len, prompts)) + cfg.rollout.max_new_tokens
-    check_rules(cfg, budget(cfg, len(eval_prompts), max_len))  # the real prompts, before a buffer
+    # the real prompts' lengths, before a buffer is allocated
+    check_rules(cfg, budget(cfg, len(eval_prompts), sizes(cfg.replay, max_len)))
     replay = make_replay(cfg.replay, max_len, tokenizer.pad_token_id, cfg.seed + rank)
-    golds = [p.answer for p in problems]
-    eval_golds = [p.answer for p in eval_problems]
-    r = Run(cfg, out, rank, world, device, model, policy, tokenizer, ref, compute, optimizer,
-            replay, prompts, golds, eval_prompts, eval_golds, stop, update_settings(cfg),
-            notes=notes)
+    r = Run(cfg=cfg, out=out, rank=rank, world=world, device=device, model=model,
+            policy=policy, tokenizer=tokenizer, ref=ref, compute=compute, optimizer=optimizer,
+            replay=replay, prompts=prompts, golds=[p.answer for p in problems],
+            eval_prompts=eval_prompts, eval_golds=[p.answer for p in eval_problems], stop=stop,
+            settings=update_settings(cfg), notes=notes)
     new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     longest = max(map(len, prompts + eval_prompts)) + new_tokens
-    r.sampler = make_sampler(cfg.rollout.engine, model, tokenizer, stop, cfg.model.path,
-                             cfg.rollout, torch_dtype(cfg.model.compute_dtype), longest,
-                             cfg.model.trust_remote_code, cfg.model.lora.rank > 0)
-    entropy = functools.partial(row_entropy, model, settings=r.settings, compute=compute,
+    r.sampler = make_sampler(cfg.rollout.engine, model=model, tokenizer=tokenizer, stop=stop,
+                             path=cfg.model.path, sampling=cfg.rollout,
+                             dtype=torch_dtype(cfg.model.compute_dtype), longest=longest,
+                             trust_remote_code=cfg.model.trust_remote_code,
+                             adapted=cfg.model.lora.rank > 0)
+    entropy = functools.partial(grpo.row_entropy, model, settings=r.settings, compute=compute,
                                 device=device)  # the replay strategies that score stored rows
     try:
         r.progress["source_tokens"] = replay.start(problems, prompts, tokenizer, cfg, entropy)
@@ -211,62 +219,87 @@ def loop(r: Run) -> int:
     abandons the rollout or the eval under way (--resume redoes it) but lets an update finish (its
     time is bounded); returns the signal number (0: ran to the end)."""
     cfg, p = r.cfg, r.progress
-    try:
-        if p["step"] == 0:
-            p["eval_initial"] = p["eval_last"] = run_eval(r)
-        t_run = time.time() - p["wall"]
-        if p["pending_row"]:  # a stop cut the last step's eval short
-            end_step(r, t_run)
-    except Interrupted:
+    t_run = begin(r)
+    if t_run is None:
         return STOP.signum
-    bar = tqdm(range(p["step"], cfg.max_steps), initial=p["step"], total=cfg.max_steps,
-               disable=r.rank > 0)
+    start = p["step"]
+    bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps, disable=r.rank > 0)
     for step in bar:
         t = {}
-        # 1-2. Rollout: G completions per prompt, rewarded (a stop puts the step back as it was)
+        # 1-2. Rollout: G completions per prompt, rewarded. A stop puts the step back as it was.
         with rewind(p, [r.replay.gen, r.skip.gen]) as rewound:
-            fresh, rounds, generated = rollout(r, step, t)
+            fresh, rollout_metrics, generated = rollout(r, step, t)
         if rewound.stopped:
             break
-        r.sampler.sleep()  # vLLM on a GPU: its KV cache is freed while the update needs the memory
+        # vLLM on a GPU frees its KV cache while the update needs the memory
+        r.sampler.sleep()
         p["generated_tokens"] += generated
-        r.skip.observe(fresh)  # GRESO: each prompt's trace of group means (when on)
-        r.stages.keep(fresh)  # staged rollouts: each prompt's latest success (when on)
-        # 3. Advantages within each group (RLEP, ExGRPO first add stored rows to groups)
+        # GRESO's trace of each prompt's group means; staged rollouts' stored successes
+        r.skip.observe(fresh)
+        r.stages.keep(fresh)
+        # 3. Advantages within each group (RLEP and ExGRPO first add stored rows to the groups)
         with timed(t, "advantage"):
-            fresh = r.replay.before_advantages(fresh, step)
-            fresh.advantage, adv_metrics = grpo.group_advantages(
-                fresh.reward, fresh.group, cfg.grpo.adv_scale, cfg.grpo.adv_eps)
-        with timed(t, "replay_sample"):  # 4. Replay: the update batch, fresh rows and stored ones
-            batch = r.replay.sample(fresh, step)
-        for group in r.optimizer.param_groups:  # the schedule counts generation steps
+            groups = r.replay.before_advantages(fresh, step)
+            groups.advantage, adv_metrics = grpo.group_advantages(
+                groups.reward, groups.group, cfg.grpo.adv_scale, cfg.grpo.adv_eps)
+        # 4. Replay: the update batch, these rows and stored ones
+        with timed(t, "replay_sample"):
+            batch = r.replay.sample(groups, step)
+        # 5. Update at this generation step's learning rate: passes of mini- and micro-batches
+        for group in r.optimizer.param_groups:
             group["lr"] = get_lr(step, cfg)
-        # 5. Update: optim.minibatches optimizer steps, each of micro-batches. A stop waits for it.
         update, entropy, skipped, times = grpo.update_policy(
             r.settings, r.model, r.policy, r.optimizer, batch, r.device, r.compute, r.ref,
             r.lookahead)
         t |= times
         with timed(t, "weight_sync"):  # the sampler takes the new weights (HF: it has them)
             r.sampler.sync(r.model)
-        with timed(t, "replay_push"):  # 6. Replay push: the batch, with each row's entropy now
+        # 6. Replay push: the batch, with each row's entropy from the update
+        with timed(t, "replay_push"):
             r.replay.push(batch, step, entropy)
-        # 7. Log one line (8. after the eval, every eval.every steps and at the end)
+        # 7. One metrics line, written after 8., the eval every eval.every steps and at the end
         p["step"] = step + 1
-        local = {**adv_metrics, **rounds, **r.replay.metrics(), **r.skip.metrics()}
-        p["pending_row"] = log_row(r, step, fresh, batch, update, skipped, local, t)
+        local = {**adv_metrics, **rollout_metrics, **r.replay.metrics(), **r.skip.metrics()}
+        p["pending_row"] = log_row(r, step, groups, batch, update, skipped, local, t)
         try:
             row = end_step(r, t_run)
         except Interrupted:  # the step is done: the checkpoint keeps its line for --resume
             break
         # 9. Checkpoint every checkpoint.every steps and at the end
-        saved = checkpoint.save_if_due(r.out, cfg, r.model, r.tokenizer, r.optimizer, r.replay, p,
-                                       r.extra)
-        r.folder.step_done(saved)  # an --overwrite's old run goes; a resume's files, once saved
+        checkpoint_if_due(r, first=step == start)
         accuracy = p["eval_last"].get("accuracy", math.nan)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", eval=f"{accuracy:.3f}")
         if STOP.agreed():
             break
     return STOP.agreed()  # (the same answer on every rank, even for a signal during the last step)
+
+
+def checkpoint_if_due(r: Run, first: bool) -> None:
+    """A checkpoint of the step just done every checkpoint.every steps and after the last; the run
+    folder then settles: an --overwrite's old run goes after this run's first step, a resume's
+    files once a checkpoint holds them."""
+    every, step = r.cfg.checkpoint.every, r.progress["step"]
+    saved = every > 0 and (step % every == 0 or step == r.cfg.max_steps)
+    if saved:
+        checkpoint.save_checkpoint(r.out, r.cfg, r.model, r.tokenizer, r.optimizer, r.replay,
+                                   r.progress, r.extra)
+    if saved or first:
+        r.folder.step_done(saved)
+
+
+def begin(r: Run) -> float | None:
+    """Before the first step: the step-0 eval of a new run, and the line of a step whose eval a
+    stop cut short. Returns the run's start on the wall clock, or None after a stop."""
+    p = r.progress
+    try:
+        if p["step"] == 0:
+            p["eval_initial"] = p["eval_last"] = run_eval(r)
+        t_run = time.time() - p["wall"]
+        if p["pending_row"]:
+            end_step(r, t_run)
+    except Interrupted:
+        return None
+    return t_run
 
 
 def end_step(r: Run, t_run: float) -> dict:
@@ -289,55 +322,61 @@ def end_step(r: Run, t_run: float) -> dict:
 
 
 def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
-    """This step's fresh rows, rewarded, their metrics and the tokens generated (all ranks'). Under
-    rollout.dynamic_sampling = N > 0 (DAPO), up to N rounds run until every rank holds its share of
-    groups with a reward spread; a capped step fills up with flat groups."""
+    """This step's fresh rows, rewarded, their metrics and the tokens generated (all ranks'):
+    prompts → plan → generate → reward. Under rollout.dynamic_sampling = N > 0 (DAPO), up to N
+    rounds run until every rank holds its share of groups with a reward spread; a capped step fills
+    up with flat groups."""
     cfg, p = r.cfg, r.progress
     G = cfg.rollout.group_size
     rounds = max(1, cfg.rollout.dynamic_sampling)
     n = cfg.rollout.batch_size // G  # prompts per round, over every rank
     kept, spare, generated = [], [], 0
     for rnd in range(rounds):
-        # GRESO (skip.enabled): a prompt whose group will likely be flat is skipped for the next
-        chosen = r.skip.choose(prompt_stream(len(r.prompts), p["data_pos"], cfg.seed), n)
-        p["data_pos"] += chosen.consumed
-        idx = parallel.share(chosen.prompts)
+        # Prompts: the next in data order (GRESO, skip.enabled, passes over likely-flat ones)
+        choice = r.skip.choose(prompt_stream(len(r.prompts), p["data_pos"], cfg.seed), n)
+        p["data_pos"] += choice.consumed
+        idx = parallel.share(choice.prompts)
         mine = len(idx)  # this rank's prompts
         counts = [G] * len(idx)
-        if rnd == 0:  # replay may replace prompts with stored ones
+        # Plan: replay may replace prompts with stored ones (RLEP, ExGRPO), in the first round
+        if rnd == 0:
             idx, counts = r.replay.plan(idx, G, step)
+        # Generate and reward: counts[i] completions of prompt idx[i], in group group0 + i
+        group0 = (step * rounds + rnd) * n
         key = ("train", cfg.seed, step, rnd, r.rank)  # an engine's seeds
-        sample = functools.partial(generate_rewarded, r, idx, step, (step * rounds + rnd) * n, t)
-        # staged rollouts (stages.first = g1 > 0): g1 each first, the rest only where it teaches
-        fresh, metrics = r.stages.run(sample, counts, key)
+        fresh, metrics = sample(r, idx, counts, step, group0, key, t)
         generated += int(all_ranks(float(fresh.completion_len[~fresh.replayed].sum())))
         if not cfg.rollout.dynamic_sampling:
             return fresh, metrics | r.stages.last, generated
-        flat = grpo.flat_groups(fresh.reward, fresh.group)
-        kept.append(fresh.select(~flat))
-        spare.append(fresh.select(flat))
-        groups = sum(len(set(k.group.tolist())) for k in kept)
-        if all_ranks(float(groups >= mine), MIN):
+        # DAPO's dynamic sampling: another round unless every rank has its share of spread groups
+        informative, flat = dynamic.split(fresh)
+        kept.append(informative)
+        spare.append(flat)
+        if all_ranks(float(dynamic.groups(kept) >= mine), MIN):
             break
-    fresh = Rollouts.cat(kept + spare, r.tokenizer.pad_token_id)  # informative groups first
-    use = torch.tensor(list(dict.fromkeys(fresh.group.tolist()))[:mine])
-    chosen = torch.isin(fresh.group, use)
-    capped = bool(grpo.flat_groups(fresh.reward, fresh.group)[chosen].any())
-    metrics |= {"dynamic/rounds": rnd + 1.0, "dynamic/capped": float(capped),
-                "dynamic/groups_dropped": float(fresh.group.unique().numel() - len(use))}
-    return fresh.select(chosen), metrics, generated
+    fresh, rounds_metrics = dynamic.keep(kept, spare, mine, rnd + 1, r.tokenizer.pad_token_id)
+    return fresh, metrics | rounds_metrics, generated
 
 
-def generate_rewarded(r: Run, idx: list[int], step: int, group0: int, t: dict, counts: list[int],
-                      key: tuple) -> tuple[Rollouts, dict]:
-    """counts[i] completions of prompt idx[i] (group group0 + i), rewarded, and the verifier's
-    metrics."""
-    prompts = [r.prompts[i] for i in idx]
-    with timed(t, "generate"), generating(r.model, r.compute):  # a stop: every rank's Interrupted
-        fresh, texts = r.sampler.generate(prompts, r.cfg.rollout, idx, step, counts, group0, key)
-    with timed(t, "reward"):
-        fresh.reward, fresh.correct, metrics = reward(r, fresh, texts)
-    return fresh, metrics
+def sample(r: Run, idx: list[int], counts: list[int], step: int, group0: int, key: tuple,
+           t: dict) -> tuple[Rollouts, dict]:
+    """counts[i] completions of prompt idx[i], rewarded, and the verifier's metrics. Staged
+    rollouts (stages.first = g1 > 0, methods/stages.py): g1 each first, then more only where they
+    can teach, and an unsolved prompt takes a stored success; off, one stage of counts."""
+    parts, said = [], []
+    todo = r.stages.first(counts)
+    while todo is not None:
+        prompts = [r.prompts[i] for i in idx]
+        stage_key = r.stages.key(key, len(parts))
+        with timed(t, "generate"), generating(r.model, r.compute):  # a stop: Interrupted
+            fresh, texts = r.sampler.generate(prompts, r.cfg.rollout, idx, step, todo, group0,
+                                              stage_key)
+        with timed(t, "reward"):
+            fresh.reward, fresh.correct, verifier = reward(r, fresh, texts)
+        parts.append(fresh)
+        said.append((verifier, len(fresh)))
+        todo = r.stages.next(parts, counts)
+    return r.stages.finish(parts, said, counts)
 
 
 def reward(r: Run, fresh: Rollouts, texts: list[str]) -> tuple:
@@ -364,10 +403,8 @@ def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, s
     s = dict(zip(sums, all_ranks(torch.stack(list(sums.values())).double())))
     keys = sorted(local)
     means = all_ranks(torch.tensor([float(local[k]) for k in keys])) / r.world
-    p["trained_tokens"] += int(update["tokens"])
-    p["fwd_bwd_tokens"] += int(update["tokens/fwd_bwd"])  # what the update cost, every pass
-    p["no_grad_tokens"] += int(update["tokens/no_grad"])
-    p["trained_rows"] += int(update["rows"])
+    for counter, key in COUNTERS.items():  # the update's compute, summed over the run
+        p[counter] += int(update[key])
     for reason in filter(None, skipped):
         p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # older checkpoints lack "gated"
     row = {"step": step + 1,
@@ -383,8 +420,7 @@ def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, s
            "entropy/fresh": (s["entropy"] / s["tokens"].clamp(min=1)).item(),
            "replay/rows": int(s["replayed"]),
            "replay/token_share": (s["replayed_tokens"] / s["batch_tokens"].clamp(min=1)).item()}
-    counted = ("tokens", "rows", "tokens/fwd_bwd", "tokens/no_grad")  # (summed above)
-    row |= {k: v for k, v in update.items() if k not in counted}
+    row |= {k: v for k, v in update.items() if k not in COUNTERS.values()}
     row |= dict(zip(keys, means.tolist()))
     row["lr"] = r.optimizer.param_groups[0]["lr"]
     row |= {f"skipped/{k}": v for k, v in p["skipped"].items()}

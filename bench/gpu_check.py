@@ -206,7 +206,7 @@ def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
 def generation_check(model, tok, cfg, compute, a, peaks: dict):
     """(b): one generation phase; returns (rollouts, failures), the phase's peak in `peaks`."""
     from rollout import generate
-    from support.models import hf_module
+    from support.parallel import hf_module
     from support.parallel import generation
 
     g = torch.Generator().manual_seed(0)
@@ -299,7 +299,7 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     against a float32 model without FSDP or autocast."""
     import grpo
     from config import update_settings
-    from support.logprobs import no_grad_logprobs
+    from grpo import no_grad_logprobs
 
     batch.advantage = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
     lp, _ = no_grad_logprobs(model, batch, update_settings(cfg), compute, device)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from support.logprobs import output_layer
+from support.logprobs import output_layer, use_chunked_head
 from support.parallel import MAX, all_ranks
 
 
@@ -23,6 +23,7 @@ class OutputGrad:
     micro-batch and one (V, d) all-reduce per optimizer step; changes no gradient."""
 
     def __init__(self, model):
+        use_chunked_head(model)  # the layer whose backward hands its gradient to `_add`
         self.head = output_layer(model)
         self.shape = tuple(self.head.weight.shape)  # (V, d); DTensor: the global shape
         self.device = self.head.weight.device

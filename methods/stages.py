@@ -1,7 +1,8 @@
 """Staged rollouts: generate a few samples per prompt first, and the rest only where they can
 teach. The idea is AR3PO's (2025); it publishes no code, stage sizes or cap, so the rule here is
 ours. Sits inside generate in one step: the step asks `next_counts` how many more samples each
-prompt gets, generates them, verifies them, and asks again until every count is 0.
+prompt gets, generates them, verifies them, and asks again until every count is 0 (train.py's
+`sample`, with `Stages.first`, `next` and `finish`).
 
 With G the group size and g1 = `first`:
   stage 1  every prompt gets g1 samples;
@@ -99,10 +100,10 @@ def metrics(correct: list[list[bool]], G: int) -> dict[str, float]:
 
 
 class Stages:
-    """Staged sampling of one step's prompts (`run`) and, per prompt, the latest verified success
-    this rank generated (`stored`), which an unsolved prompt takes after the last stage. That row
-    keeps its behaviour log-probs and is marked replayed and off-policy, so the loss corrects it as
-    any replayed row (grpo.py, departure 1)."""
+    """Staged sampling of one step's prompts (`first`, `next`, `finish`) and, per prompt, the
+    latest verified success this rank generated (`stored`), which an unsolved prompt takes after
+    the last stage. That row keeps its behaviour log-probs and is marked replayed and off-policy,
+    so the loss corrects it as any replayed row (grpo.py, departure 1)."""
 
     def __init__(self, cfg: StageConfig, pad_id: int):
         self.cfg = cfg
@@ -110,28 +111,50 @@ class Stages:
         self.stored = {}  # prompt index -> its latest verified-correct fresh row (a 1-row Rollouts)
         self.last = {}
 
-    def run(self, sample, counts: list[int], key: tuple) -> tuple[Rollouts, dict]:
-        """`sample(counts, key)` -> (rewarded rows, verifier metrics) of counts[i] samples of
-        prompt i, all in prompt i's group. Off: one call. On: stage 1 takes g1 per prompt, stage 2
-        fills every prompt that did not stop (any rank's: the stages run on every rank together,
-        as generation may be collective); then unsolved prompts take their stored success."""
+    # train.py's stage loop: todo = first(counts); while todo: generate todo; todo = next(...)
+
+    def first(self, counts: list[int]) -> list[int] | None:
+        """Samples per prompt in stage 1: g1 each (off: counts[i], one stage); None when no rank
+        has any to generate. The stages run on every rank together (generation may be
+        collective)."""
         if self.cfg.first == 0:
-            return sample(counts, key)
-        parts, said = [], []
-        todo = next_counts([[]] * len(counts), counts, self.cfg.first)
-        while all_ranks(float(sum(todo)), MAX) > 0:
-            rows, verifier = sample(todo, (*key, len(parts)))
-            parts.append(rows)
-            said.append((verifier, len(rows)))
-            done = Rollouts.cat(parts, self.pad_id)
-            firsts = _first_group(done, len(counts))
-            todo = next_counts(outcomes(done.correct, done.group, firsts), counts, self.cfg.first)
+            return counts
+        return self._unless_done(next_counts([[]] * len(counts), counts, self.cfg.first))
+
+    def next(self, parts: list[Rollouts], counts: list[int]) -> list[int] | None:
+        """Samples per prompt in the next stage, given the stages so far (`parts`, rewarded): 0
+        for a prompt that stopped or is full; None when every rank is done (off: after one)."""
+        if self.cfg.first == 0:
+            return None
+        done = Rollouts.cat(parts, self.pad_id)
+        seen = outcomes(done.correct, done.group, _first_group(done, len(counts)))
+        return self._unless_done(next_counts(seen, counts, self.cfg.first))
+
+    def key(self, key: tuple, stage: int) -> tuple:
+        """An engine's seeds for `stage` (off: the step's own)."""
+        if self.cfg.first == 0:
+            return key
+        return (*key, stage)
+
+    def finish(self, parts: list[Rollouts], said: list[tuple[dict, int]],
+               counts: list[int]) -> tuple[Rollouts, dict]:
+        """Every stage's rows, then a stored success for each unsolved prompt that has one, and
+        the verifier's metrics over the stages (`said`: each stage's metrics and rows). Off: the
+        one stage as it came."""
+        if self.cfg.first == 0:
+            return parts[0], said[0][0]
         fresh = Rollouts.cat(parts, self.pad_id)
         seen = outcomes(fresh.correct, fresh.group, _first_group(fresh, len(counts)))
         self.last = metrics(seen, max(counts, default=1))
         taken = self.take(fresh)
         self.last["stages/stored_taken"] = float(len(taken))
         return Rollouts.cat([fresh, taken], self.pad_id), _merge(said)
+
+    @staticmethod
+    def _unless_done(todo: list[int]) -> list[int] | None:
+        if all_ranks(float(sum(todo)), MAX) > 0:
+            return todo
+        return None
 
     def take(self, fresh: Rollouts) -> Rollouts:
         """A stored success for each group of `fresh` with no correct row, when its prompt has

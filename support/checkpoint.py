@@ -141,17 +141,6 @@ def save_checkpoint(out: Path, cfg, model, tokenizer, optimizer, replay, progres
             shutil.rmtree(old, ignore_errors=True)
 
 
-def save_if_due(out: Path, cfg, model, tokenizer, optimizer, replay, progress: dict,
-                extra: dict) -> bool:
-    """A checkpoint of the step just done (progress["step"]) every checkpoint.every steps and
-    after the last; whether one was saved."""
-    every, step = cfg.checkpoint.every, progress["step"]
-    if not every or (step % every and step != cfg.max_steps):
-        return False
-    save_checkpoint(out, cfg, model, tokenizer, optimizer, replay, progress, extra)
-    return True
-
-
 def optimizer_state(model, optimizer) -> dict | None:
     """The whole state by parameter name on rank 0 ({} on the others); None before the first step
     (torch's helper would take a zero step to create it, shifting AdamW's bias correction)."""

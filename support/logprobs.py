@@ -1,7 +1,8 @@
-"""Token log-probs without a (tokens, vocabulary) tensor: the output layer runs in chunks in at
-least float32 (`_ChunkedHead`), asked through the model's own forward (so DDP, FSDP and compile
-wrappers stay in charge), and `completion_logprobs` runs each distinct prompt once and shares its
-KV cache with its rows. Also the KV cache generation uses under autocast (`kv_cache`).
+"""The memory mechanism behind grpo.py's log-prob passes: token log-probs without a (tokens,
+vocabulary) tensor. The output layer runs in chunks in at least float32 (`_ChunkedHead`, made the
+layer's forward by `use_chunked_head`), asked through the model's own forward (so DDP, FSDP and
+compile wrappers stay in charge), and `completion_logprobs` runs each distinct prompt once and
+shares its KV cache with its rows. Also the KV cache generation uses under autocast (`kv_cache`).
 """
 
 from __future__ import annotations
@@ -14,19 +15,25 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 
-from support.models import hf_module
-from support.parallel import MAX, all_ranks
+from support.parallel import hf_module
 
 HEAD_CHUNK = 2**25
 """Logits per chunk of the output layer (128 MiB in float32): no (tokens, V) tensor is whole."""
 
 
+def use_chunked_head(model) -> None:
+    """Replace the forward of the model's output layer (once; again does nothing) by
+    `_head_forward`: float32 logits, or chunked log-probs while `_asking` holds a request.
+    Generation and the log-prob passes call it first."""
+    head = output_layer(model)
+    if "forward" not in head.__dict__:
+        head.forward = MethodType(_head_forward, head)
+
+
 def output_layer(model):
-    """The model's output layer, its forward replaced (once) by `_head_forward`: float32 logits, or
-    chunked log-probs while `_asking` holds a request. Generation and the log-prob passes call
-    it."""
+    """The model's output layer (its output embeddings), refused where logits are changed after it
+    (softcapping, scaling), which the chunked log-probs would miss."""
     m = hf_module(model)
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(getattr(m, "config", None), key, None) not in (None, 1.0):
@@ -35,8 +42,6 @@ def output_layer(model):
     head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
     if not isinstance(getattr(head, "weight", None), Tensor):
         raise TypeError(f"{type(m).__name__} has no output layer (get_output_embeddings)")
-    if "forward" not in head.__dict__:
-        head.forward = MethodType(_head_forward, head)
     return head
 
 
@@ -46,6 +51,7 @@ def _asking(model, targets: Tensor, valid: Tensor, temperature: float, with_entr
     entropy at each of the first C positions, 0 where not `valid`. The request waits on the layer,
     so the forward that runs is the wrapper's: DDP's gradient sync, FSDP's unsharding of the root's
     weights (embeddings, final norm, output layer), the compiled graph."""
+    use_chunked_head(model)
     head = output_layer(model)
     head._logprob_request = (targets, valid, temperature, with_entropy)
     try:
@@ -236,78 +242,3 @@ def kv_cache(model) -> transformers.DynamicCache | None:
     if not torch.is_autocast_enabled(device):
         return None
     return _CastCache(torch.get_autocast_dtype(device), config=model.config)
-
-
-# ----------------------------------------------------------- the update's passes, in chunks
-
-
-def _logprobs(model, mb, s, device, with_entropy=False):
-    """(b, l) log-probs (and entropies) of rows `mb` under `model` (s is grpo.UpdateSettings)."""
-    # FSDP: asked of the module, not of a parameter (an unsharded root holds plain tensors)
-    sharded = isinstance(hf_module(model), FSDPModule)
-    share = not s.gradient_checkpointing and not (torch.is_grad_enabled() and sharded)
-    return completion_logprobs(model, mb.tokens.to(device), mb.prompt_len.to(device),
-                               mb.seq_len.to(device), s.temperature, with_entropy,
-                               share_prompt=share)
-
-
-@contextmanager
-def train_mode(model):
-    """`model` in train mode while inside (the training forwards and their backward), then as it
-    was. Loaded models stay in eval mode elsewhere (generation, the no-grad passes). HF recomputes
-    activations (model.gradient_checkpointing) only in train mode, and LoRA's adapter dropout acts
-    only then; a checkpoint's own dropout would act too, and the first step's ratio would not be 1
-    (the paper models set none: attention_dropout 0)."""
-    was = model.training
-    model.train()
-    try:
-        yield
-    finally:
-        model.train(was)
-
-
-def no_grad_logprobs(model, batch, s, compute, device,
-                     with_entropy=False) -> tuple[Tensor, Tensor]:
-    """(B, L) log-probs (and entropies) of `batch`'s rows under `model`, without gradients,
-    optim.logprob_batch_size rows at a time. Under FSDP each forward is collective, so a rank with
-    fewer chunks repeats a chunk (discarded)."""
-    logp, ent = torch.zeros(batch.tokens.shape), torch.zeros(batch.tokens.shape)  # (B, L)
-    chunks = list(torch.argsort(batch.completion_len).split(s.optim.logprob_batch_size))
-    for j in range(int(all_ranks(len(chunks), MAX))):
-        rows = chunks[min(j, len(chunks) - 1)]
-        with torch.no_grad(), compute:
-            lp, e = _logprobs(model, batch.select(rows), s, device, with_entropy)
-        if j < len(chunks):
-            logp[rows, : lp.shape[1]] = lp.float().cpu()
-            ent[rows, : lp.shape[1]] = e.float().cpu() if with_entropy else 0.0
-    return logp, ent
-
-
-def micro_batches(rows: Tensor, completion_len: Tensor, seq_len: Tensor, o) -> list[Tensor]:
-    """`rows` (indices) sorted by completion length and cut into micro-batches (o is optim.*):
-    of o.micro_batch_size rows, or, when o.micro_batch_tokens > 0, as many rows as fit in that
-    many padded tokens (a longer row goes alone). The loss does not depend on the cut."""
-    rows = rows[torch.argsort(completion_len[rows], stable=True)]
-    if o.micro_batch_tokens == 0:
-        return [m for m in rows.split(o.micro_batch_size) if len(m)]
-    out, start, longest = [], 0, 0
-    for k, i in enumerate(rows.tolist()):
-        longest = max(longest, int(seq_len[i]))
-        if k > start and (k + 1 - start) * longest > o.micro_batch_tokens:
-            out.append(rows[start:k])
-            start, longest = k, int(seq_len[i])
-    if len(rows) > start:
-        out.append(rows[start:])
-    return out
-
-
-def row_entropy(model, rows, settings, compute, device) -> Tensor:
-    """(B,) the policy's mean token entropy of each row (exgrpo scores stored rows by it); every
-    rank calls it together."""
-    from rollout import Row, pack  # (rollout.py imports this module)
-
-    n = len(rows)
-    if n == 0:  # a stand-in row runs, so every rank's passes match; its value is dropped
-        rows = pack([Row([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
-    _, ent = no_grad_logprobs(model, rows, settings, compute, device, with_entropy=True)
-    return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]

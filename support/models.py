@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from support import integrity, lora
 from support.lora import LoraConfig
-from support.parallel import MAX, all_ranks
+from support.parallel import MAX, all_ranks, hf_module
 from support.util import RunError, fsync, oneline
 
 
@@ -288,18 +288,3 @@ def save_weights(model, tokenizer, folder: Path, weights: dict, dtype: torch.dty
         config.dtype = dtype
         config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-
-
-def hf_module(model):
-    """The HF model inside DDP and torch.compile wrappers (an FSDP2 model is its own class)."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        elif hasattr(model, "get_base_model"):  # peft's LoRA wrapper
-            model = model.get_base_model()
-        elif not isinstance(model, torch.nn.Module):  # a plain wrapper (lora.AdaptersOff)
-            model = model.model
-        else:
-            return model

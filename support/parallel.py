@@ -165,3 +165,19 @@ def _param_groups(state) -> list:
         return state._fsdp_param_groups
     return [g for g in [state._fsdp_param_group] if g is not None]
 
+
+def hf_module(model):
+    """The HF model inside the wrappers a run puts around it: DDP, torch.compile, peft's LoRA (an
+    FSDP2 model is its own class)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif hasattr(model, "get_base_model"):  # peft's LoRA wrapper
+            model = model.get_base_model()
+        elif not isinstance(model, torch.nn.Module):  # a plain wrapper (lora.AdaptersOff)
+            model = model.model
+        else:
+            return model
+

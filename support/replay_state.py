@@ -10,9 +10,9 @@ from dataclasses import fields
 
 import torch
 
-from rollout import Rollouts
-
 RAGGED = ("tokens", "behav_logp")  # the (rows, max_len) fields: a checkpoint holds occupied rows
+# `replay.rows` is a rollout.Rollouts; this module reads its class from it (no import of the
+# reading path), as `type(replay.rows)`.
 
 
 def state_dict(replay) -> dict:
@@ -20,7 +20,7 @@ def state_dict(replay) -> dict:
     longest row (a write replaces whole rows: an empty slot's contents are never read)."""
     slots = replay.stored()
     L = int(replay.rows.seq_len[slots].max()) if len(slots) else 0
-    flat = [f.name for f in fields(Rollouts) if f.name not in RAGGED]
+    flat = [f.name for f in fields(replay.rows) if f.name not in RAGGED]
     d = {k: getattr(replay.rows, k).clone() for k in flat}
     d["tokens"] = replay.rows.tokens[slots, :L]
     d["behav_logp"] = replay.rows.behav_logp[slots, :L]
@@ -37,6 +37,7 @@ def load_state_dict(replay, d: dict) -> None:
     shape, here = (len(d["valid"]), d["max_len"]), tuple(replay.rows.tokens.shape)
     if shape != here:
         raise ValueError(f"replay state holds {shape} rows × tokens, this buffer {here}")
+    Rollouts = type(replay.rows)
     empty = Rollouts.empty(*shape, replay.pad_id)
     rows = {f.name: d[f.name].clone() for f in fields(Rollouts) if f.name not in RAGGED}
     replay.rows = Rollouts(**rows, tokens=empty.tokens.int(), behav_logp=empty.behav_logp)
@@ -58,6 +59,7 @@ def load_split(replay, parts: list[dict], rank: int, world: int, seed: int) -> N
     i mod world), written oldest first; scores and replay counts kept; STATE merged
     (`merge_state`); eviction totals the saved ranks' mean (the logged mean goes on); the sampler
     restarts from `seed`. A strategy with more state merges it in `merge_split(parts)`."""
+    Rollouts = type(replay.rows)
     merged, score, used = [], [], []
     for d in parts:
         slots = d["valid"].nonzero().squeeze(1)

@@ -138,3 +138,45 @@ def test_readmes_reading_order_gives_each_files_counted_lines():
     assert len(rows) >= 5
     for name, lines in rows:
         assert budget.measure(ROOT / name)["lines"] == int(lines), name
+
+
+def test_an_ordinary_default_step_runs_at_most_four_support_modules():
+    """#48's figure, by trace (bench/trace_step.py): one step of the default run that is neither
+    the first nor an eval's or a checkpoint's enters at most 4 support/ modules, the reading path
+    does the rest."""
+    import trace_step
+
+    entered = trace_step.trace("configs/tiny.yaml", [])
+    for module in ("train.py", "rollout.py", "grpo.py", "replay.py", "rewards.py"):
+        assert module in entered, module  # the tracer saw the step
+    assert "update_policy" in entered["grpo.py"] and "policy_logprobs" in entered["grpo.py"]
+    support = trace_step.support_modules(entered)
+    assert len(support) <= 4, support
+
+
+def reading_path_imports(path: Path) -> set[str]:
+    """The reading-path and package modules that `path` imports (at any depth of the file)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    tops = {"train", "rollout", "grpo", "replay", "rewards", "config", "eval", "methods",
+            "analysis"}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found & tops
+
+
+def test_support_imports_nothing_above_it_but_the_vllm_samplers_container():
+    """support/ is scale and I/O under the reading path: none of its modules imports train,
+    rollout, grpo, replay, rewards, config, eval, methods or analysis, except support/vllm.py,
+    whose sampler returns rollout.py's Rollouts (the sampler seam's contract)."""
+    found = {}
+    for f in sorted((ROOT / "support").glob("*.py")):
+        imports = reading_path_imports(f)
+        if imports:
+            found[f.name] = imports
+    assert found == {"vllm.py": {"rollout"}}

@@ -21,7 +21,7 @@ from config import update_settings
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, generate
 from support import logprobs, parallel
-from support.models import hf_module
+from support.parallel import hf_module
 from tests.fixtures import worker_results, write_result
 from tests.test_scale import one_update, synthetic_batch, tiny_qwen3, update_cfg
 
@@ -199,11 +199,11 @@ def test_micro_batch_tokens_packs_rows_by_length():
     o.micro_batch_tokens = 30
     completion = torch.tensor([5, 1, 9, 2, 3, 20])
     seq = completion + 4  # 9, 5, 13, 6, 7, 24
-    out = logprobs.micro_batches(torch.arange(6), completion, seq, o)  # rows 1, 3, 4, 0, 2, 5
+    out = grpo.micro_batches(torch.arange(6), completion, seq, o)  # rows 1, 3, 4, 0, 2, 5
     assert [m.tolist() for m in out] == [[1, 3, 4], [0, 2], [5]]  # 3·7 ≤ 30 < 4·9; 3·24 > 30
     o.micro_batch_tokens = 0
     o.micro_batch_size = 4
-    out = logprobs.micro_batches(torch.arange(6), completion, seq, o)
+    out = grpo.micro_batches(torch.arange(6), completion, seq, o)
     assert [m.tolist() for m in out] == [[1, 3, 4, 0], [2, 5]]
 
 
@@ -216,7 +216,7 @@ def test_micro_batch_tokens_leaves_the_update_unchanged():
     loss, grad, _ = one_update(m1, m1, batch, cfg)
     cfg.optim.micro_batch_tokens = 64
     everything = torch.arange(len(batch))
-    n_micro = len(logprobs.micro_batches(everything, batch.completion_len, batch.seq_len,
+    n_micro = len(grpo.micro_batches(everything, batch.completion_len, batch.seq_len,
                                          cfg.optim))
     assert n_micro not in (len(batch), -(-len(batch) // 3))  # neither 1 nor 3 rows each
     loss_packed, grad_packed, _ = one_update(m2, m2, batch, cfg)
@@ -309,7 +309,7 @@ def fsdp_worker(model_dir: str, out: str) -> None:
         for phase in ("before", "after"):
             counter = []
             with counting_all_gathers(counter):
-                logp, _ = logprobs._logprobs(policy, batch, update_settings(cfg),
+                logp, _ = grpo.policy_logprobs(policy, batch, update_settings(cfg),
                                              torch.device("cpu"))
                 logp.sum().backward()
             gathers[phase] = len(counter)
@@ -320,12 +320,12 @@ def fsdp_worker(model_dir: str, out: str) -> None:
             result[f"{first}_{phase}_restored"] = restored
         result[f"{first}_gathers"] = gathers
     calls = []
-    real = logprobs.completion_logprobs
-    logprobs.completion_logprobs = lambda *a, **k: calls.append(k["share_prompt"])  # not run
-    logprobs._logprobs(torch.compile(model, backend="eager"), batch, update_settings(cfg),
+    real = grpo.completion_logprobs
+    grpo.completion_logprobs = lambda *a, **k: calls.append(k["share_prompt"])  # not run
+    grpo.policy_logprobs(torch.compile(model, backend="eager"), batch, update_settings(cfg),
                        torch.device("cpu"))
     result["compiled_fsdp_share_prompt"] = calls
-    logprobs.completion_logprobs = real
+    grpo.completion_logprobs = real
     write_result(out, result)
     dist.destroy_process_group()
 

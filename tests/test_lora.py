@@ -25,8 +25,9 @@ import grpo
 from config import Config, update_settings
 from rollout import RolloutConfig, generate
 from support import lora
-from support.logprobs import no_grad_logprobs
-from support.models import hf_module, load_policy
+from grpo import no_grad_logprobs
+from support.models import load_policy
+from support.parallel import hf_module
 from support.prompts import prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]

@@ -97,6 +97,18 @@ def rows(prompt: list[int], correct: list[bool], group: int, step: int = 0) -> R
     return out
 
 
+def run_stages(st: Stages, sample, counts: list[int], key: tuple):
+    """train.sample's stage loop over a stand-in `sample(todo, key)`."""
+    parts, said = [], []
+    todo = st.first(counts)
+    while todo is not None:
+        rows, verifier = sample(todo, st.key(key, len(parts)))
+        parts.append(rows)
+        said.append((verifier, len(rows)))
+        todo = st.next(parts, counts)
+    return st.finish(parts, said, counts)
+
+
 def test_stage_unsolved_prompt_takes_its_stored_success_off_policy():
     st = Stages(StageConfig(first=2), pad_id=0)
     calls = []
@@ -108,12 +120,13 @@ def test_stage_unsolved_prompt_takes_its_stored_success_off_policy():
             return Rollouts.cat(done, 0), {"reward/correct_frac": float(n == 0)}
         return sample
 
-    first, _ = st.run(sample_step(0), [4], ("k",))  # solved 2 of 2: stops
+    first, _ = run_stages(st, sample_step(0), [4], ("k",))  # solved 2 of 2: stops
     assert calls == [[2]] and len(first) == 2 and 7 not in st.stored
     st.keep(first)  # once the step's rollout is final (train.loop)
     assert 7 in st.stored
     calls.clear()
-    second, _ = st.run(sample_step(1), [4], ("k",))  # 0 of 2, then 0 of 4: takes the stored row
+    # 0 of 2, then 0 of 4: takes the stored row
+    second, _ = run_stages(st, sample_step(1), [4], ("k",))
     assert calls == [[2], [2]]
     taken = second.select(second.replayed)
     assert len(taken) == 1 and bool(taken.correct.all())

@@ -1,0 +1,37 @@
+"""DAPO's dynamic sampling (rollout.dynamic_sampling = N > 0; verl's `filter_groups`): a step
+generates up to N rounds of prompts until every rank holds its share of groups with a reward spread
+(train.rollout runs the rounds). It pays for signal with generation, which the comparison counts.
+
+Departure from DAPO: a step whose N rounds found too few such groups is filled up with flat ones
+(`dynamic/capped`), so every step trains on the same number of groups; DAPO keeps sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo import flat_groups
+from rollout import Rollouts
+
+
+def split(fresh: Rollouts) -> tuple[Rollouts, Rollouts]:
+    """A round's rows: the groups with a reward spread, then the flat ones."""
+    flat = flat_groups(fresh.reward, fresh.group)
+    return fresh.select(~flat), fresh.select(flat)
+
+
+def groups(rows: list[Rollouts]) -> int:
+    """The groups among `rows` (each Rollouts' distinct group ids)."""
+    return sum(len(set(part.group.tolist())) for part in rows)
+
+
+def keep(kept: list[Rollouts], spare: list[Rollouts], wanted: int, rounds: int,
+         pad_id: int) -> tuple[Rollouts, dict]:
+    """The first `wanted` groups, informative ones first, and the rounds' metrics."""
+    fresh = Rollouts.cat(kept + spare, pad_id)
+    use = torch.tensor(list(dict.fromkeys(fresh.group.tolist()))[:wanted])
+    used = torch.isin(fresh.group, use)  # (B,) rows of the groups kept
+    capped = bool(flat_groups(fresh.reward, fresh.group)[used].any())
+    metrics = {"dynamic/rounds": float(rounds), "dynamic/capped": float(capped),
+               "dynamic/groups_dropped": float(fresh.group.unique().numel() - len(use))}
+    return fresh.select(used), metrics
