@@ -10,11 +10,11 @@ covers), per subject against its budget: each file of the reading path and confi
 path together (train, grpo, rollout, replay), and each module of support/ (what a reader of GRPO
 may skip), methods/ and analysis/. Density, over every subject file and rewards.py and eval.py
 (shown without a budget): lines over 100 characters; conditional expressions, comprehensions and
-tuples used as statements (`x.close() if x else None`, `[f(m) for m in ms]`, `a(), b()`); `# noqa` outside rewards.py (the
-verifier's sandbox, where a broad except is the contract); functions over 60 lines (from `def` to
-their last line: train.loop included); and the mean characters per counted line (indentation
-included, trailing spaces not). Imports: no module imports train.py, and grpo.py imports nothing
-from config.py.
+tuples used as statements (`x.close() if x else None`, `[f(m) for m in ms]`, `a(), b()`); `# noqa`
+outside rewards.py (the verifier's sandbox, where a broad except is the contract); functions over
+60 lines (from `def` to their last line: train.loop included); and the mean characters per counted
+line (indentation included, trailing spaces not). Imports: no module imports train.py, and grpo.py
+imports nothing from config.py.
 """
 
 from __future__ import annotations
