@@ -64,7 +64,7 @@ symmetric clip against the sampling policy, k3 KL to a reference with beta > 0):
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +78,7 @@ from support import parallel
 from support.logprobs import completion_logprobs
 from support.parallel import hf_module
 from support.parallel import MAX, all_ranks
-from support.util import timed
+from support.util import mode, timed
 
 
 @dataclass
@@ -317,19 +317,13 @@ def policy_logprobs(model, rows, s: UpdateSettings, device,
                                share_prompt=share)
 
 
-@contextmanager
 def train_mode(model):
-    """`model` in train mode while inside (the training forwards and their backward), then as it
-    was. Loaded models stay in eval mode elsewhere (generation, the no-grad passes). HF recomputes
-    activations (model.gradient_checkpointing) only in train mode, and LoRA's adapter dropout acts
-    only then; a checkpoint's own dropout would act too, and the first step's ratio would not be 1
-    (the paper models set none: attention_dropout 0)."""
-    was = model.training
-    model.train()
-    try:
-        yield
-    finally:
-        model.train(was)
+    """`model` in train mode while inside (the training forwards and their backward), then every
+    module as it was (support.util.mode). Loaded models stay in eval mode elsewhere (generation, the
+    no-grad passes). HF recomputes activations (model.gradient_checkpointing) only in train mode,
+    and LoRA's adapter dropout acts only then; a checkpoint's own dropout would act too, and the
+    first step's ratio would not be 1 (the paper models set none: attention_dropout 0)."""
+    return mode(model, training=True)
 
 
 def no_grad_logprobs(model, batch, s, compute, device,

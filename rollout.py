@@ -23,6 +23,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from support.logprobs import cache_kwarg, kv_cache, use_chunked_head
 from support.parallel import hf_module
 from support.preempt import Interrupted, StopRequested, should_stop
+from support.util import mode
 
 
 # Below it sampling is greedy in all but name (vLLM treats < 1e-5 as greedy), and near 1e-37 logits
@@ -264,20 +265,18 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     token: Interrupted."""
     counts = counts or [cfg.group_size] * len(prompts)
     expanded = [p for p, n in zip(prompts, counts) for _ in range(n)]
-    was_training = model.training
     hf = hf_module(model)
     own = hf.generation_config  # (under LoRA, the transformers module's inside peft's wrapper)
-    model.eval()
     hf.generation_config = GenerationConfig()  # nothing of the model's fills what ours leaves unset
     use_chunked_head(model)  # float32 logits, as the training pass computes them
     rows = []
     try:
-        for start in range(0, len(expanded), cfg.gen_batch_size):
-            chunk = expanded[start : start + cfg.gen_batch_size]
-            rows += _sample(model, tokenizer, chunk, cfg, stop)
+        with mode(model, training=False):
+            for start in range(0, len(expanded), cfg.gen_batch_size):
+                chunk = expanded[start : start + cfg.gen_batch_size]
+                rows += _sample(model, tokenizer, chunk, cfg, stop)
     finally:
         hf.generation_config = own
-        model.train(was_training)
     return pack_groups(rows, tokenizer, counts, prompt_idx, step, group0)
 
 

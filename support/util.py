@@ -96,6 +96,22 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 @contextmanager
+def mode(model, training: bool):
+    """Every module of `model` in train (`training`) or eval mode while inside, then each back in
+    its own mode. Not `model.train(was)`: a wrapper's flag need not be its layers' (peft's LoRA
+    wrapper says training while the loaded layers are in eval mode), and restoring it would flip
+    every layer."""
+    modules = list(model.modules())
+    was = [m.training for m in modules]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in zip(modules, was, strict=True):
+            m.training = flag
+
+
+@contextmanager
 def timed(times: dict, name: str):
     """Add the seconds the block takes to times[name]."""
     t0 = time.perf_counter()

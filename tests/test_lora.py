@@ -130,6 +130,33 @@ def test_lora_reference_logprobs_are_the_base_models():
     assert (adapted - expected).abs().max() > 1e-3, "the adapters changed the policy"
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_generation_and_the_update_leave_every_layer_in_its_own_mode(checkpointing):
+    """peft's wrapper says `training` while the loaded layers are in eval mode: generation and the
+    update put every module back in its own mode (restoring the wrapper's flag switched every
+    layer to train after the first rollout). A decoder layer runs again inside the backward
+    (recomputation) exactly when model.gradient_checkpointing is on."""
+    cfg = lora_cfg()
+    cfg.model.gradient_checkpointing = checkpointing
+    model, _, tok, _, _ = load_policy(cfg, str(MODEL), CPU, 1)
+    before = {name: m.training for name, m in model.named_modules()}
+    assert before[""] and not all(before.values()), "the wrapper trains, its layers do not"
+    prompts = [prompt_ids(tok, p, "{problem}", False) for p in ("1+1=", "12*3=")]
+    generate(model, tok, prompts, RolloutConfig(group_size=2, max_new_tokens=6), [])
+    assert {name: m.training for name, m in model.named_modules()} == before
+    calls = []
+    in_backward = torch._C._current_graph_task_id  # -1 outside an autograd backward
+    mlp = hf_module(model).model.layers[0].mlp  # (a checkpointed layer's own hook runs once)
+    handle = mlp.register_forward_pre_hook(lambda *a: calls.append(in_backward() != -1))
+    try:
+        train_steps(model, cfg, 1)
+    finally:
+        handle.remove()
+    assert {name: m.training for name, m in model.named_modules()} == before
+    assert calls.count(False) > 0, "the layer ran forward"
+    assert (calls.count(True) > 0) == checkpointing, calls
+
+
 def test_lora_generation_samples_from_the_adapted_model():
     """HF generate through peft's wrapper samples the adapted policy: the behaviour log-probs it
     records are the adapted model's (not the base's), with the model's generation_config set aside
