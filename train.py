@@ -45,7 +45,7 @@ from methods.greso import PromptSkip
 from support.prompts import chat_prompts, end_ids
 from support.rundir import RunFolder
 from methods.stages import Stages
-from support.util import RunError, oneline, quiet, timed, torch_dtype
+from support.util import RunError, library_versions, oneline, quiet, timed, torch_dtype
 from support.vllm import make_sampler
 
 
@@ -181,6 +181,8 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
     if ck:
         r.notes.append(checkpoint.restore(ck, state, cfg, model, optimizer, replay, r.progress,
                                           r.extra))
+    if library_versions() not in r.progress["versions"]:  # a resume on other versions: both
+        r.progress["versions"].append(library_versions())
     return r
 
 

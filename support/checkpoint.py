@@ -54,6 +54,7 @@ def new_progress() -> dict:
     return {"step": 0, "data_pos": 0, "wall": 0.0, "wandb_id": None,
             "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0, "trained_rows": 0,
             "fwd_bwd_tokens": 0, "no_grad_tokens": 0,
+            "versions": [],  # the library versions each start and resume ran on, once each
             "skipped": {"nonfinite": 0, "zero_adv": 0, "gated": 0},
             "eval_initial": {}, "eval_last": {},
             "pending_row": None}  # a step's metrics line until it is written
@@ -85,6 +86,9 @@ def finish(r, signum: int) -> int:
                    "generated_tokens": p["generated_tokens"],
                    "tokens_trained": p["trained_tokens"],
                    "rows_trained": p["trained_rows"],
+                   "tokens_fwd_bwd": p["fwd_bwd_tokens"],
+                   "tokens_no_grad": p["no_grad_tokens"],
+                   "versions": p["versions"],
                    "tokens_generated_total": p["generated_tokens"] + p["source_tokens"],
                    "wall_seconds": p["wall"],
                    "skipped_updates": p["skipped"]}

@@ -95,6 +95,13 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def library_versions() -> str:
+    """The versions that decide a run's numbers, as runs record them (summary.json)."""
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
 @contextmanager
 def mode(model, training: bool):
     """Every module of `model` in train (`training`) or eval mode while inside, then each back in
