@@ -327,6 +327,7 @@ def validate(cfg: Config) -> None:
     """Reject values that would fail later, silently train nonsense, or never finish, with one
     message naming the key: every section's rules, then what the run allocates and generates."""
     check_rules(cfg, _rules(cfg))
+    cfg.wandb.check_environment()
     specs = cfg.data.eval.split(",")
     # eval.n = 0 takes every problem: the tiny task's held-out split, a file's once it is loaded
     eval_problems = cfg.eval.n * len(specs) if cfg.eval.n else TEST_SIZE * specs.count("tiny")

@@ -39,6 +39,7 @@ from support.models import load_pretrained
 from support.preempt import STOP, Interrupted, generating, should_stop
 from support.prompts import (ChatTemplateError, build_prompts, end_ids, frame_fault,
                              template_warnings)
+from support.locks import results_folder
 from support.rundir import write_file
 from support.util import OneLineParser, RunError, oneline, path_fault, quiet
 from support.vllm import make_sampler
@@ -274,8 +275,15 @@ def load(args, benchmarks: dict, dtype) -> tuple:
 
 def evaluate_checkpoint(args) -> int:
     """Evaluates args.model on every benchmark and writes the results; returns the exit code: 0,
-    or 143 / 130 when SIGTERM / SIGINT cut it short (the problems finished, marked partial)."""
-    out = check_args(args)
+    or 143 / 130 when SIGTERM / SIGINT cut it short (the problems finished, marked partial). The
+    results folder is this eval's while it runs (support/rundir.py's results_folder)."""
+    with results_folder(check_args(args)) as out:
+        check_args(args)  # again, under the lock: an eval that just ended may have written them
+        return evaluate_into(args, out)
+
+
+def evaluate_into(args, out: Path) -> int:
+    """evaluate_checkpoint's work, its results into `out`."""
     benchmarks = load_benchmarks(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -25,7 +25,8 @@ from pathlib import Path
 from analysis.compare_io import compare_table, mixed_configs, read_run, write
 from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, paired_ratio,
                            welch_p)
-from support.util import OneLineParser, flatten
+from support.locks import results_dir
+from support.util import OneLineParser, RunError, flatten
 
 def load_run(path: str | Path) -> dict:
     """A run folder: arm, seed, final figures and the eval curve [(step, generated tokens, accuracy,
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:
+        results_dir(Path(args.out_dir))  # never into a run's root: --resume would refuse the run
         if args.target is not None and not 0 <= args.target <= 1:  # (NaN is not)
             raise ValueError(f"--target must be an accuracy in [0, 1], got {args.target}")
         budget = args.budget
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         write(Path(args.out_dir), runs, {"target": target, "gain_target": table[0]["gain_target"],
                                          "gain_fraction": args.gain_fraction, "budget": budget,
                                          "strategies": table})
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RunError) as e:
         if args.debug:
             raise
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)

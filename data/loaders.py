@@ -21,6 +21,7 @@ import math
 import numbers
 import os
 import re
+import unicodedata
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ def load_problems(spec: str, *, data_dir: str | None = None, problem_key: str | 
         source, rows, where = _read_rows(spec, data_dir, limit)
         problems = [_to_problem(row, i, source, where, problem_key, answer_key)
                     for i, row in enumerate(rows)]
+        _refuse_two_golds(problems, where)
     if not problems:
         raise ValueError(f"{spec}: no problems found (empty dataset)")
     return problems
@@ -365,7 +367,7 @@ def _to_problem(row: dict, i: int, source: str, where: str, problem_key: str | N
         turns = [m for m in problem if isinstance(m, dict)]
         system = next((m.get("content") or "" for m in turns if m.get("role") == "system"), "")
         problem = next((m.get("content") for m in reversed(turns) if m.get("role") == "user"), None)
-    if not isinstance(problem, str) or not problem.strip():
+    if not isinstance(problem, str) or _blank(problem):
         raise ValueError(f"{where}: row {i}: the problem ({pkey}) is not a non-empty string")
     problem = _DAPO_TAIL.sub("", _DAPO_HEAD.sub("", problem))
     if isinstance(answer, str) and "####" in answer:  # GSM8K: worked solution, then "#### 70,000"
@@ -379,6 +381,22 @@ def _to_problem(row: dict, i: int, source: str, where: str, problem_key: str | N
                          f"or a finite number, got {str(answer)[:40]!r}")
     rid = f"{source}-{i}" if rid is None else str(rid)
     return Problem(problem.strip(), text, rid, source, system)
+
+
+def _refuse_two_golds(problems: list[Problem], where: str) -> None:
+    """A problem given twice with two gold answers rewards one of them as wrong: refused."""
+    first = {}
+    for i, p in enumerate(problems):
+        j = first.setdefault(p.problem, i)
+        if problems[j].answer != p.answer:
+            raise ValueError(f"{where}: rows {j} and {i} give one problem two gold answers "
+                             f"({problems[j].answer[:20]!r}, {p.answer[:20]!r}); keep one")
+
+
+def _blank(text: str) -> bool:
+    """Whether `text` shows nothing: only spaces, controls and invisible format characters (a
+    zero-width space, a byte-order mark), which str.strip() keeps."""
+    return all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf", "Zs") for ch in text)
 
 
 def _get(row: dict, key: str):
@@ -398,7 +416,7 @@ def _as_text(value) -> str | None:
     if isinstance(value, numbers.Integral):
         return str(int(value))
     if isinstance(value, str):
-        return value.strip() or None
+        return None if _blank(value) else value.strip()
     if not math.isfinite(value):
         return None
     if float(value).is_integer():  # AMC stores 27.0: the integer it means

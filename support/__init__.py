@@ -7,6 +7,7 @@ rollout.py, grpo.py, replay.py). Nothing here imports train.py.
   parallel    the process group, collectives on host tensors, FSDP's gathered weights
   preempt     stopping at any moment (SIGTERM, SIGINT) and rewinding a step
   rundir      the run folder: its lock, --overwrite, atomic writes, what a resume rewrites
+  locks       folder locks, never through a link: a run's out_dir, eval.py's results folder
   checkpoint  checkpoints, resume, the run's end
   integrity   whole or refused: checkpoint manifests, trainer state fields, model folders
   replay_state  the replay buffer in a checkpoint, and re-split for another number of processes

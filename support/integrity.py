@@ -6,6 +6,7 @@ resume, nor a model that runs with freshly initialised tensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -28,15 +29,23 @@ def refuse(fault: str | None) -> None:
 # ------------------------------------------------------------------------------ checkpoints
 
 
+def digest(path: Path) -> str:
+    """sha256 of a file, read in chunks (a model's GBs never sit in memory at once)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def write_manifest(folder: Path) -> None:
-    """manifest.json: every file below `folder` with its size in bytes, fsync'ed. Written by rank
-    0 after every rank has written its files, before the folder is renamed into place."""
-    files = {}
+    """manifest.json: every file below `folder` with its size in bytes and its sha256 (a file
+    changed at the same size is found too), fsync'ed. Written by rank 0 after every rank has
+    written its files, before the folder is renamed into place."""
+    files, sha256 = {}, {}
     for f in sorted(folder.rglob("*")):
         if f.is_file() and f.name != MANIFEST:
             files[str(f.relative_to(folder))] = f.stat().st_size
+            sha256[str(f.relative_to(folder))] = digest(f)
     path = folder / MANIFEST
-    path.write_text(json.dumps({"files": files}, indent=1) + "\n")
+    path.write_text(json.dumps({"files": files, "sha256": sha256}, indent=1) + "\n")
     fsync(path)
 
 
@@ -47,8 +56,9 @@ def manifest_fault(ck: Path) -> str | None:
         return None
     try:
         with open_regular(ck / MANIFEST, 1 << 24) as f:
-            listed = json.loads(f.read())["files"]
-        sizes = [(str(name), int(size)) for name, size in listed.items()]
+            manifest = json.loads(f.read())
+        sizes = [(str(name), int(size)) for name, size in manifest["files"].items()]
+        hashes = {str(name): str(h) for name, h in manifest.get("sha256", {}).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} is damaged"
     for name, size in sizes:
@@ -57,6 +67,9 @@ def manifest_fault(ck: Path) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size:,} bytes, its {MANIFEST} says {size:,}"
+    for name, h in hashes.items():  # (a manifest of older code lists sizes alone)
+        if (ck / name).is_file() and digest(ck / name) != h:
+            return f"{name}'s content is not what its {MANIFEST} says (sha256)"
     return None
 
 

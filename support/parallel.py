@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import signal
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -16,8 +17,12 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from support.util import RunError, oneline
+
 MAX = dist.ReduceOp.MAX
 MIN = dist.ReduceOp.MIN
+# What torchrun sets in each worker (and TORCHELASTIC_RUN_ID, which marks a process it started)
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def backend_map(device_type: str) -> str:
@@ -28,13 +33,48 @@ def backend_map(device_type: str) -> str:
 
 
 def init() -> tuple[int, int]:
-    """Join torchrun's process group (even of one process); returns (rank, world)."""
-    if "LOCAL_RANK" in os.environ and not dist.is_initialized():
+    """Join torchrun's process group (even of one process); returns (rank, world). The rendezvous
+    waits for every rank: a signal then ends the process at once (no handler of ours could run
+    inside it, and nothing has been written yet)."""
+    if launched() and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = backend_map("cuda" if torch.cuda.is_available() else "cpu")
-        dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+        found = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+        except (RuntimeError, ValueError) as e:  # (torch's DistError is a RuntimeError)
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            raise RunError(f"torchrun's rendezvous at {where} failed: {oneline(e)}") from None
+        finally:
+            for s, handler in found.items():
+                signal.signal(s, handler)
     return rank_and_world()
+
+
+def launched() -> bool:
+    """Whether torchrun started this process. Its variables left in a shell (a process torchrun
+    did not start) or a part of them would have the rendezvous wait two hours for ranks that never
+    come: refused."""
+    found = [k for k in TORCHRUN if k in os.environ]
+    if not found:
+        return False
+    shown = ", ".join(found)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise RunError(f"{shown} set, but torchrun did not start this process (no "
+                       "TORCHELASTIC_RUN_ID): unset them, or launch with torchrun")
+    missing = [k for k in TORCHRUN if k not in os.environ]
+    if missing:
+        raise RunError(f"torchrun's {', '.join(missing)} not set (only {shown}): launch with "
+                       "torchrun")
+    try:
+        rank, world, local = (int(os.environ[k]) for k in TORCHRUN[:3])
+    except ValueError:
+        rank, world, local = -1, 0, -1
+    if not (0 <= rank < world and 0 <= local < world):
+        values = " ".join(f"{k}={os.environ[k]!r}" for k in TORCHRUN[:3])
+        raise RunError(f"torchrun's {values} do not fit (0 ≤ RANK, LOCAL_RANK < WORLD_SIZE)")
+    return True
 
 
 def close() -> None:

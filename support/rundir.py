@@ -8,7 +8,6 @@ every file as it found it.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from support.locks import lock_folder, remove_empty, restore_lock
 from support.util import RunError, flat_dict, fsync
 
 # What runs write in out_dir (and `.tmp_` + each while it is written): a folder holding anything
@@ -26,6 +26,7 @@ from support.util import RunError, flat_dict, fsync
 RUN_FILES = {".run", ".lock", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints",
              "final", "wandb", "eval"}
 ASIDE = ".overwritten"  # where --overwrite keeps the old run: <out_dir>.overwritten
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")  # what wandb accepts
 
 
 @dataclass
@@ -43,6 +44,14 @@ class WandbConfig:
         modes = ("disabled", "offline", "online")
         return {"mode": (self.mode in modes, "disabled, offline or online")}
 
+    def check_environment(self) -> None:
+        """wandb reads WANDB_MODE over wandb.mode and fails on a value it does not know only in
+        wandb.init, after the run has claimed its folder: refused before anything is written."""
+        env = os.environ.get("WANDB_MODE")
+        if self.mode != "disabled" and env is not None and env not in WANDB_MODES:
+            raise RunError(f"WANDB_MODE={env!r} in the environment is not a wandb mode "
+                           f"({', '.join(WANDB_MODES)}); unset it or fix it")
+
 
 def aside(out: Path) -> Path:
     return out.with_name(out.name + ASIDE)
@@ -53,7 +62,8 @@ class RunFolder:
     other ranks only check it (every method is a no-op there)."""
 
     def __init__(self, out_dir: str, rank: int):
-        self.out = Path(os.path.abspath(out_dir))  # absolute: --overwrite renames the folder
+        # resolved: --overwrite renames the folder, which must be the run's, not a link to it
+        self.out = Path(os.path.realpath(out_dir))
         self.rank = rank
         self.lock = None  # the open .lock of the folder as found (held while it is aside too)
         self.before = None  # .lock's text before this run took it (None: taking it created it)
@@ -150,17 +160,9 @@ class RunFolder:
         folder: then it stays, a run's file), and the folders the lock made."""
         if self.lock is None or self.lock.closed:
             return
-        if self.before is not None:
-            self.lock.truncate(0)
-            self.lock.write(self.before)
-            self.lock.flush()
-        elif not claimed:
-            (self.out / ".lock").unlink(missing_ok=True)
-        for folder in self.made:  # (refused when it holds anything: then it is not only ours)
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        if self.before is not None or not claimed:
+            restore_lock(self.out, self.lock, self.before)
+        remove_empty(self.made)
 
     def close(self) -> None:
         for lock in (self.lock, self.fresh):
@@ -183,35 +185,6 @@ def check_out_dir(out: Path, resume: str | None, overwrite: bool) -> None:
     if overwrite and aside(out).exists():
         raise RunError(f"{aside(out)} holds a run an interrupted --overwrite set aside; "
                        "move it back or delete it")
-
-
-def lock_folder(out: Path) -> tuple:
-    """out_dir, created if need be, locked by this process (the lock dies with it): (the open
-    .lock, its text before, None if this created it). A .lock removed by a run that failed while
-    we opened it is opened again: a lock on a removed file would lock nothing."""
-    path = out / ".lock"
-    for _ in range(3):
-        existed = path.is_file()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            lock = open(path, "a+")
-        except OSError as e:
-            raise RunError(f"out_dir {out} is not writable: {e.strerror or e}") from None
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            pid = path.read_text().strip() or "?"
-            raise RunError(f"out_dir {out} is in use by another run (pid {pid})") from None
-        if path.is_file() and os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
-            break
-        lock.close()
-    lock.seek(0)
-    before = lock.read() if existed else None
-    lock.truncate(0)  # ("a+": the write goes to the end)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    return lock, before
 
 
 def write_synced(path: Path, text: str) -> None:

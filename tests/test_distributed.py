@@ -141,8 +141,10 @@ def test_nccl_backend_map_registers_gloo_for_host_tensors(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(dist, "init_process_group", init)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    torchrun_env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}  # as torchrun sets them
+    for name, value in torchrun_env.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(KeyboardInterrupt):
         train.setup(train.load_config(None, []), None, False)
     assert seen == ["cpu:gloo,cuda:nccl"] == [backend_map("cuda")]
