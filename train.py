@@ -181,8 +181,6 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
     if ck:
         r.notes.append(checkpoint.restore(ck, state, cfg, model, optimizer, replay, r.progress,
                                           r.extra))
-    if library_versions() not in r.progress["versions"]:  # a resume on other versions: both
-        r.progress["versions"].append(library_versions())
     return r
 
 
@@ -196,6 +194,8 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
     r = setup(cfg, resume, overwrite)
     try:
         r.folder.claim(overwrite)  # everything loaded and checked: the run starts writing
+        if library_versions() not in r.progress["versions"]:  # a resume on other versions: both
+            r.progress["versions"].append(library_versions())
         r.log, r.wandb = r.folder.open_log(cfg, r.progress, resume is not None)
         parallel.barrier()
         if r.rank == 0 and r.notes:
