@@ -87,8 +87,6 @@ def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
         fault = config_fault(config) if isinstance(config, dict) else "not a mapping of sections"
         if fault:
             raise ValueError(f"{config_file}: not a run's config: {fault}")
-    if not metrics_file.exists():
-        raise FileNotFoundError(f"{metrics_file}: not found (a run writes it from its first step)")
     return summary, config, metric_rows(metrics_file)
 
 
