@@ -111,12 +111,12 @@ class OptimConfig:
                 "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
                 "grad_clip": (0 <= self.grad_clip < math.inf, "≥ 0 (0 = off)"),
                 "minibatches": (self.minibatches >= 1, "≥ 1"),
-                "micro_batch_size": (0 < self.micro_batch_size <= MAX_BATCH, "in [1, 10^9]"),
+                "micro_batch_size": (0 < self.micro_batch_size <= MAX_BATCH, "> 0 and ≤ 10^9"),
                 "epochs": (1 <= self.epochs <= 64, "in [1, 64]"),
                 "gate": (gate_ok, "0 (off), or > 0 with optim.epochs > 1"),
                 "micro_batch_tokens": (0 <= self.micro_batch_tokens <= MAX_BATCH,
-                                       "in [0, 10^9] (0 = off)"),
-                "logprob_batch_size": (0 < self.logprob_batch_size <= MAX_BATCH, "in [1, 10^9]")}
+                                       "≥ 0 (0 = off) and ≤ 10^9"),
+                "logprob_batch_size": (0 < self.logprob_batch_size <= MAX_BATCH, "> 0 and ≤ 10^9")}
 
 
 @dataclass

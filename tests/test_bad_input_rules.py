@@ -532,10 +532,10 @@ DOMAINS = [  # (overrides, what the line says): every rule names its key and wha
     ([*SKIP, "--skip.hard=-0.5"], "skip.hard must be ≥ 0, the least a completion's reward can be"),
     ([*SKIP, "--reward.no_answer=-1", "--skip.hard=-1.5"], "skip.hard must be ≥ -1, the least"),
     ([*SKIP, *NEW, "--reward.overlong_buffer=4", "--skip.hard=-1.5"], "skip.hard must be ≥ -1,"),
-    ([f"--optim.micro_batch_size={HUGE}"], "optim.micro_batch_size must be in [1, 10^9], got 1"),
-    ([f"--optim.logprob_batch_size={HUGE}"], "optim.logprob_batch_size must be in [1, 10^9]"),
-    ([f"--optim.micro_batch_tokens={HUGE}"], "optim.micro_batch_tokens must be in [0, 10^9]"),
-    ([f"--rollout.gen_batch_size={HUGE}"], "rollout.gen_batch_size must be in [1, 10^9]"),
+    ([f"--optim.micro_batch_size={HUGE}"], "optim.micro_batch_size must be > 0 and ≤ 10^9, got 1"),
+    ([f"--optim.logprob_batch_size={HUGE}"], "optim.logprob_batch_size must be > 0 and ≤ 10^9"),
+    ([f"--optim.micro_batch_tokens={HUGE}"], "micro_batch_tokens must be ≥ 0 (0 = off) and ≤ 10^9"),
+    ([f"--rollout.gen_batch_size={HUGE}"], "rollout.gen_batch_size must be > 0 and ≤ 10^9"),
     (["--replay.module=.x"], "replay.module must be a module name on sys.path"),
     (["--replay.module=..x.y"], "replay.module must be a module name on sys.path"),
 ]
@@ -566,7 +566,7 @@ def test_config_domains_edges_are_accepted(overrides):
 
 @needs_model
 @pytest.mark.parametrize("args, words", [
-    ([f"--optim.micro_batch_size={HUGE}"], "optim.micro_batch_size must be in [1, 10^9]"),
+    ([f"--optim.micro_batch_size={HUGE}"], "optim.micro_batch_size must be > 0 and ≤ 10^9"),
     (["--replay.module=.x"], "replay.module must be a module name on sys.path"),
     (["--reward.overlong_buffer=24"], "reward.overlong_buffer must be below rollout.max_new"),
     (["--skip.enabled=true", "--skip.easy=2"], "skip.easy must be ≤ 1, the most")])
