@@ -33,7 +33,7 @@ from support.util import flatten, path_fault, text_fault
 
 MAX_THREADS = 1024  # torch starts them on its first parallel op: 10^11 would never start
 MAX_BASES = 16  # files in one `base:` chain
-OVERLONG = "below rollout.max_new_tokens (%d): a buffer as long punishes every completion"
+OVERLONG = "≤ rollout.max_new_tokens (%d): a longer buffer punishes every completion"
 NEVER = "the %s a completion's reward can be (reward.*): else the rule never fires"
 
 
@@ -185,7 +185,7 @@ class Config:
                                             f"can hold (it {where})")),
                 "stages.first": (self.stages.first < max(2, self.rollout.group_size),
                                  "below rollout.group_size"),
-                "reward.overlong_buffer": (self.reward.overlong_buffer < new, OVERLONG % new),
+                "reward.overlong_buffer": (self.reward.overlong_buffer <= new, OVERLONG % new),
                 "skip.easy": (not skip or self.skip.easy <= high, f"≤ {high:g}, {NEVER % 'most'}"),
                 "skip.hard": (not skip or self.skip.hard >= low, f"≥ {low:g}, {NEVER % 'least'}"),
                 "optim.minibatches": (mb < 1 or prompts % mb == 0,

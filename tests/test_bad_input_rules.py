@@ -525,8 +525,8 @@ NEW = ["--rollout.max_new_tokens=24"]
 SKIP = ["--skip.enabled=true"]
 DOMAINS = [  # (overrides, what the line says): every rule names its key and what it must be
     ([*NEW, "--reward.overlong_buffer=30"],
-     "reward.overlong_buffer must be below rollout.max_new_tokens (24)"),
-    ([*NEW, "--reward.overlong_buffer=24"], "a buffer as long punishes every completion, got 24"),
+     "reward.overlong_buffer must be ≤ rollout.max_new_tokens (24)"),
+    ([*NEW, "--reward.overlong_buffer=25"], "a longer buffer punishes every completion, got 25"),
     ([*SKIP, "--skip.easy=1.5"], "skip.easy must be ≤ 1, the most a completion's reward can be"),
     ([*SKIP, "--reward.correct=0.5"], "skip.easy must be ≤ 0.5, the most"),
     ([*SKIP, "--skip.hard=-0.5"], "skip.hard must be ≥ 0, the least a completion's reward can be"),
@@ -540,7 +540,7 @@ DOMAINS = [  # (overrides, what the line says): every rule names its key and wha
     (["--replay.module=..x.y"], "replay.module must be a module name on sys.path"),
 ]
 VALID = [  # the edges of the same rules: accepted
-    [*NEW, "--reward.overlong_buffer=23"],
+    [*NEW, "--reward.overlong_buffer=24"],  # the penalty falls from length 0 (test_rollout's)
     [*SKIP, "--skip.easy=1.0", "--skip.hard=0"],
     [*SKIP, "--reward.format_bonus=0.5", "--skip.easy=1.5"],  # a boxed right answer gets 1.5
     [*SKIP, *NEW, "--reward.overlong_buffer=4", "--skip.hard=-1"],  # the penalty reaches −1
@@ -568,7 +568,7 @@ def test_config_domains_edges_are_accepted(overrides):
 @pytest.mark.parametrize("args, words", [
     ([f"--optim.micro_batch_size={HUGE}"], "optim.micro_batch_size must be > 0 and ≤ 10^9"),
     (["--replay.module=.x"], "replay.module must be a module name on sys.path"),
-    (["--reward.overlong_buffer=24"], "reward.overlong_buffer must be below rollout.max_new"),
+    (["--reward.overlong_buffer=25"], "reward.overlong_buffer must be ≤ rollout.max_new_tokens"),
     (["--skip.enabled=true", "--skip.easy=2"], "skip.easy must be ≤ 1, the most")])
 def test_train_refuses_domains_still_open_in_one_line(tmp_path, args, words):
     out = tmp_path / "run"
