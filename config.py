@@ -24,7 +24,7 @@ from rewards import RewardConfig
 from rollout import MIN_TEMPERATURE, RolloutConfig
 from support import vllm
 from support.checkpoint import CheckpointConfig
-from support.checks import budget
+from support.checks import MAX_BATCH, budget
 from methods.greso import SkipConfig
 from support.models import ModelConfig
 from support.rundir import ASIDE, WandbConfig
@@ -33,6 +33,8 @@ from support.util import flatten, path_fault, text_fault
 
 MAX_THREADS = 1024  # torch starts them on its first parallel op: 10^11 would never start
 MAX_BASES = 16  # files in one `base:` chain
+OVERLONG = "≤ rollout.max_new_tokens (%d): a longer buffer punishes every completion"
+NEVER = "the %s a completion's reward can be (reward.*): else the rule never fires"
 
 
 class ConfigError(ValueError):
@@ -109,11 +111,12 @@ class OptimConfig:
                 "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
                 "grad_clip": (0 <= self.grad_clip < math.inf, "≥ 0 (0 = off)"),
                 "minibatches": (self.minibatches >= 1, "≥ 1"),
-                "micro_batch_size": (self.micro_batch_size > 0, "> 0"),
+                "micro_batch_size": (0 < self.micro_batch_size <= MAX_BATCH, "> 0 and ≤ 10^9"),
                 "epochs": (1 <= self.epochs <= 64, "in [1, 64]"),
                 "gate": (gate_ok, "0 (off), or > 0 with optim.epochs > 1"),
-                "micro_batch_tokens": (self.micro_batch_tokens >= 0, "≥ 0 (0 = off)"),
-                "logprob_batch_size": (self.logprob_batch_size > 0, "> 0")}
+                "micro_batch_tokens": (0 <= self.micro_batch_tokens <= MAX_BATCH,
+                                       "≥ 0 (0 = off) and ≤ 10^9"),
+                "logprob_batch_size": (0 < self.logprob_batch_size <= MAX_BATCH, "> 0 and ≤ 10^9")}
 
 
 @dataclass
@@ -171,9 +174,10 @@ class Config:
     def check(self) -> dict[str, tuple[bool, str]]:
         """The run's own keys and the rules that join two sections."""
         prompts = self.rollout.batch_size // max(1, self.rollout.group_size)
-        mb = self.optim.minibatches
+        mb, new = self.optim.minibatches, self.rollout.max_new_tokens
         vllm_ok = self.rollout.engine != "vllm" or vllm.available()
         where = path_fault(self.out_dir, ASIDE) if self.out_dir.strip() else "is empty"
+        skip, (low, high) = self.skip.enabled, self.reward.bounds()  # a completion's reward
         return {"max_steps": (self.max_steps >= 0, "≥ 0"),
                 "seed": (0 <= self.seed < 2**32, "in [0, 2^32)"),
                 "threads": (0 <= self.threads <= MAX_THREADS, f"in [0, {MAX_THREADS}]"),
@@ -181,6 +185,9 @@ class Config:
                                             f"can hold (it {where})")),
                 "stages.first": (self.stages.first < max(2, self.rollout.group_size),
                                  "below rollout.group_size"),
+                "reward.overlong_buffer": (self.reward.overlong_buffer <= new, OVERLONG % new),
+                "skip.easy": (not skip or self.skip.easy <= high, f"≤ {high:g}, {NEVER % 'most'}"),
+                "skip.hard": (not skip or self.skip.hard >= low, f"≥ {low:g}, {NEVER % 'least'}"),
                 "optim.minibatches": (mb < 1 or prompts % mb == 0,
                                       f"a divisor of the prompts per step ({prompts})"),
                 "optim.epochs": (self.lookahead.method == "none" or self.optim.epochs == 1,
@@ -202,12 +209,9 @@ def _fields(cls=Config, prefix="") -> dict[str, type]:
 
 
 FIELDS = _fields()
-REMOVED = {
-    "model.dtype": "master weights are always float32; bf16 compute is "
-                   "model.compute_dtype=bfloat16",
-    "model.autocast": "bf16 compute is model.compute_dtype=bfloat16",
-    "optim.skip_zero_adv": "it is always on",
-}
+BF16 = "bf16 compute is model.compute_dtype=bfloat16"
+REMOVED = {"model.dtype": f"master weights are always float32; {BF16}", "model.autocast": BF16,
+           "optim.skip_zero_adv": "it is always on"}
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 CONVERTS = {int: (str,), float: (str, int), str: (int, float)}  # a field's type: from these
 _repr = reprlib.Repr()  # values in messages stay short (a YAML alias bomb would print megabytes)

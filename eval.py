@@ -245,6 +245,9 @@ def load(args, benchmarks: dict, dtype) -> tuple:
     except Exception as e:  # any failure to load is one line about the model
         said = oneline(e) or type(e).__name__
         raise BadInput(f"cannot load model {args.model}: {said}") from e
+    broken = next((n for n, p in model.named_parameters() if not p.isfinite().all()), None)
+    if broken is not None:  # its logits would be NaN: nothing to sample from
+        raise BadInput(f"model {args.model}: weight {broken} is not finite (NaN or inf)")
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     limit = context - args.max_new_tokens
     frame = DataConfig(template=args.template, chat_template=args.chat_template,

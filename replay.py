@@ -67,7 +67,8 @@ class ReplayConfig:
     """exgrpo: experience starts (for good) once more than this share of a step's rows is correct"""
 
     def check(self) -> dict[str, tuple[bool, str]]:
-        found = not self.module or imports(self.module)
+        # ".x" is a relative import (import_module's TypeError: no package to be relative to)
+        found = not self.module or (not self.module.startswith(".") and imports(self.module))
         known = self.strategy in STRATEGIES
         rlep_only = not self.rlep_source or self.strategy == "rlep"
         rules = {

@@ -82,6 +82,15 @@ class RewardConfig:
             rules[k] = (math.isfinite(num[k]), "finite")
         return rules
 
+    def bounds(self) -> tuple[float, float]:
+        """(smallest, largest) reward one completion can get, so a group's mean too: an outcome's
+        reward (correct, wrong, no_answer), the format bonus if it has a box, the overlong penalty
+        (down to −overlong_factor) when it is on."""
+        outcomes = (self.correct, self.wrong, self.no_answer)
+        penalty = self.overlong_factor if self.overlong_buffer > 0 else 0
+        low = min(outcomes) + min(0, self.format_bonus) - penalty
+        return low, max(outcomes) + max(0, self.format_bonus)
+
 
 def _as_float(v) -> float:  # nan for what is not a number; an integer too large for a float is ±inf
     if isinstance(v, bool) or not isinstance(v, (int, float)):

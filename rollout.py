@@ -74,7 +74,7 @@ class RolloutConfig:
                             f"> 0: at least {MIN_TEMPERATURE:g} and below 1e6"),
             "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
             "top_k": (self.top_k >= 0, "≥ 0 (0 = off)"),
-            "gen_batch_size": (self.gen_batch_size > 0, "> 0"),
+            "gen_batch_size": (0 < self.gen_batch_size <= 10**9, "> 0 and ≤ 10^9"),  # MAX_BATCH
             "dynamic_sampling": (self.dynamic_sampling >= 0, "≥ 0 (0 = off)"),
             "engine": (self.engine in ("hf", "vllm"), "hf or vllm"),
             "vllm_gpu_memory_utilization": (0 < self.vllm_gpu_memory_utilization <= 1, "in (0, 1]"),

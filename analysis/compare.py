@@ -22,9 +22,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from analysis.compare_io import compare_table, mixed_configs, read_run, write
-from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, paired_ratio,
-                           welch_p)
+from analysis.compare_io import (compare_table, incomparable, positive_number, read_run, run_arg,
+                                 write)
+from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, mean_known,
+                            paired_ratio, welch_p)
 from support.locks import results_dir
 from support.util import OneLineParser, RunError, flatten
 
@@ -88,7 +89,7 @@ def compute(generated: float, fwd_bwd: float, no_grad: float) -> float:
 def area(curve: list[tuple], budget: float) -> float | None:
     """Mean accuracy over the first `budget` generated tokens by trapezoids (over RLEP's phase I,
     the initial one); None, never extrapolated, for a run short of it or without a step-0 eval."""
-    if not curve or curve[0][0] != 0 or curve[-1][1] < budget:
+    if not curve or curve[0][0] != 0 or curve[-1][1] < budget or budget <= 0:
         return None
     total = curve[0][2] * min(curve[0][1], budget)  # phase I, before the step-0 eval
     for (_, x0, y0, _), (_, x1, y1, _) in itertools.pairwise(curve):
@@ -121,7 +122,10 @@ def common_grid(runs: list[dict]) -> None:
 
 def sustained_crossing(curve: list[tuple], target: float) -> float | None:
     """Generated tokens where the eval curve first reaches `target`, interpolated linearly between
-    evals, counting a crossing only if every later eval stays ≥ target − its standard error."""
+    evals, counting a crossing only if every later eval stays ≥ target − its standard error; NaN
+    for a NaN target (a baseline without a step-0 eval has no gain target)."""
+    if math.isnan(target):
+        return math.nan
     for j, (_, x, y, _) in enumerate(curve):
         if y < target or any(y2 < target - se for _, _, y2, se in curve[j + 1 :]):
             continue
@@ -150,17 +154,6 @@ def seed_mean_curve(runs: list[dict]) -> list[tuple]:
     return curve
 
 
-def positive_number(text: str) -> float:
-    """--budget's number: ValueError unless it is one, finite and > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"--budget must be a number > 0 or shortest, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise ValueError(f"--budget must be finite and > 0, got {text}")
-    return value
-
-
 def compare_runs(runs: list[dict], baseline: str, target: float | None,
                  budget: float | str | None, gain_fraction: float = 0.9):
     """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy is the
@@ -174,6 +167,7 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
     if not base:
         raise ValueError(f"no run of the baseline {baseline!r} has an eval (--baseline names it)")
     L_b, A_b, T_b = (mean([run[k] for run in base]) for k in ("length", "final", "tokens"))
+    T_b = T_b or math.nan  # a baseline that generated nothing: no ratio to its total
     target = A_b if target is None else target
     initial = mean([run["curve"][0][2] for run in base if run["curve"][0][0] == 0])
     gain_target = initial + gain_fraction * (A_b - initial)
@@ -277,14 +271,6 @@ def counted_ratio(runs: list[dict], base: list[dict], key: str) -> tuple:
     return paired_ratio(pairs(runs, base, key))
 
 
-def mean_known(xs: list) -> float:
-    """The mean of the values a run recorded (NaN when none did)."""
-    known = [x for x in xs if x is not None]
-    if not known:
-        return math.nan
-    return mean(known)
-
-
 def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
     ap = OneLineParser(prog=prog, description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,12 +296,9 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
             budget = positive_number(budget)
         runs = []
         for arg in args.runs:
-            label, sep, folder = arg.partition("=")
-            if sep and "/" not in label:  # LABEL=RUN_DIR names the arm
-                runs.append(load_run(folder) | {"strategy": label})
-            else:
-                runs.append(load_run(arg))
-        mixed = mixed_configs(runs)
+            label, folder = run_arg(arg)
+            runs.append(load_run(folder) | ({"strategy": label} if label else {}))
+        mixed = incomparable(runs, args.baseline)
         if mixed and not args.allow_mixed:
             raise ValueError(mixed)
         for run in runs:

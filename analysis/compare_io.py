@@ -6,17 +6,21 @@ what it writes: the markdown table of the arms, compare.csv (per run), compare.j
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
 
+from config import FIELDS as CONFIG_FIELDS
+from config import Config
 from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
+from support.util import flat_dict
 
 NUMBER = (int, float)
 NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated_total",
            "eval_entropy_final", "generated_tokens", "tokens/generated_total", "eval/accuracy",
            "eval/accuracy_se", "eval/response_len", "eval/entropy", "tokens/trained",
-           "tokens/fwd_bwd", "tokens/no_grad"]
+           "tokens/fwd_bwd", "tokens/no_grad", "tokens_trained", "rows_trained"]
 TYPES = {"strategy": str, "seed": int, "step": int} | dict.fromkeys(NUMBERS, NUMBER)
 FRACTIONS = {"eval_accuracy_initial", "eval/accuracy", "eval/accuracy_se"}  # in [0, 1]; the
 # other numbers finite and ≥ 0 (NaN, inf or a negative count would poison every mean)
@@ -28,19 +32,51 @@ UNCOMPARED = ("seed", "out_dir", "threads", "wandb.", "checkpoint.", "eval.every
               "model.gradient_checkpointing", "model.compile", "model.device",
               "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size",
               "rollout.vllm_")
+# Keys that define what a run measures (the model, the problems, how it is evaluated, how long a
+# completion may be and how it is sampled, what a reward is): every arm's run must share them with
+# the baseline's, or its tokens and accuracies mean something else. Adapters and the other
+# training settings are what the arms vary.
+MEASURED = ("model.", "data.", "eval.", "reward.", "rollout.max_new_tokens", "rollout.temperature",
+            "rollout.top_p", "rollout.top_k", "rollout.stop_tokens")
+NOT_MEASURED = ("model.lora.", "model.parallel", *UNCOMPARED)
+# The counters of a run (cumulative): they never fall from one row of metrics.jsonl to the next
+COUNTERS = ("generated_tokens", "tokens/generated_total", "tokens/trained", "tokens/fwd_bwd",
+            "tokens/no_grad")
 FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
           "tokens_ratio", "tokens_to_gain", "trained_to_gain", "passes_to_gain", "compute_to_gain",
           "compute_to_target", "steps_to_target", "aes", "area", "trained_tokens", "trained_rows"]
 
 
+def run_arg(arg: str) -> tuple[str | None, str]:
+    """(the arm's label or None, the run folder) of a [LABEL=]RUN_DIR argument; ValueError for an
+    empty label or folder (`=runs/x` would be an arm named by nothing, `x=` the current folder)."""
+    label, sep, folder = arg.partition("=")
+    if not sep or "/" in label:  # a folder whose path holds "="
+        label, folder = None, arg
+    if not folder.strip() or (label is not None and not label.strip()):
+        raise ValueError(f"{arg!r}: a run is [LABEL=]RUN_DIR, neither of them empty")
+    return label, folder
+
+
+def positive_number(text: str) -> float:
+    """--budget's number: ValueError unless it is one, finite and > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--budget must be a number > 0 or shortest, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise ValueError(f"--budget must be finite and > 0, got {text}")
+    return value
+
+
 def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
-    """(summary.json, config.yaml, metrics.jsonl rows), one of summary and metrics at least, every
+    """(summary.json, config.yaml, metrics.jsonl rows), metrics.jsonl with a row at least, every
     field load_run reads checked: ValueError naming the file (and line) otherwise."""
     summary_file, config_file = path / "summary.json", path / "config.yaml"
     metrics_file = path / "metrics.jsonl"
     if not metrics_file.exists() and not summary_file.exists():
         raise FileNotFoundError(f"{path}: not a run folder (no metrics.jsonl or summary.json)")
-    summary, config, rows = {}, {}, []
+    summary, config = {}, {}
     if summary_file.exists():
         with open_regular(summary_file, 1 << 20) as f:
             text = f.read()
@@ -48,17 +84,74 @@ def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
         check_types(summary, summary_file, text.decode())
     if config_file.exists():
         config = read_yaml_file(config_file) or {}
-        sections = ("replay", "rollout", "optim")
-        if not isinstance(config, dict) or not all(
-                isinstance(config.get(k, {}), dict) for k in sections):
-            raise ValueError(f"{config_file}: not a run's config (a mapping of sections)")
-    numbered = jsonl_rows(metrics_file) if metrics_file.exists() else []
+        fault = config_fault(config) if isinstance(config, dict) else "not a mapping of sections"
+        if fault:
+            raise ValueError(f"{config_file}: not a run's config: {fault}")
+    return summary, config, metric_rows(metrics_file)
+
+
+def metric_rows(metrics_file: Path) -> list[dict]:
+    """The rows of metrics.jsonl, one at least, each typed, its steps rising and its counters never
+    falling (two runs that wrote one file, or a hand edit, would mix two curves)."""
+    try:
+        numbered = jsonl_rows(metrics_file)
+    except ValueError as e:  # a run still writing its last line leaves it without a newline
+        if metrics_file.is_file() and not metrics_file.read_bytes().endswith(b"\n"):
+            raise ValueError(f"{e} (its last line is cut short: is the run still writing it?)"
+                             ) from None
+        raise
+    if not numbered:
+        raise ValueError(f"{metrics_file}: no rows (an empty run, or one before its first step)")
+    last = {}  # key: (line, value) of the last row holding it
     for lineno, row in numbered:
         check_types(row, f"{metrics_file}:{lineno}")
         if row.get("step") is None or row.get("generated_tokens") is None:
             raise ValueError(f"{metrics_file}:{lineno}: a row without step or generated_tokens")
-        rows.append(row)
-    return summary, config, rows
+        for key in ("step", *COUNTERS):
+            if row.get(key) is not None:
+                check_order(key, row[key], last.get(key), f"{metrics_file}:{lineno}")
+                last[key] = (lineno, row[key])
+    return [row for _, row in numbered]
+
+
+def check_order(key: str, value: float, before: tuple | None, where: str) -> None:
+    """ValueError naming `where` for a step that does not rise or a count that falls since the row
+    `before` (its line, its value)."""
+    if before is None or value > before[1] or (value == before[1] and key != "step"):
+        return
+    rule = "steps rise" if key == "step" else "a count never falls"
+    raise ValueError(f"{where}: {key} {value} after {before[1]} on line {before[0]}: {rule} in "
+                     "one run's metrics.jsonl (did two runs write it?)")
+
+
+def config_fault(node: dict, prefix: str = "") -> str | None:
+    """The first section of config.yaml that is not a mapping or key whose value is not of its
+    field's type in config.py, as train.py writes it (an int is not "2", a value not null); keys
+    config.py does not know (older or newer code) are not checked."""
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        tp = CONFIG_FIELDS.get(key)
+        if tp is not None and not fits(value, tp):
+            want = "a section (a mapping)" if dataclasses.is_dataclass(tp) else tp.__name__
+            return f"{key} must be {want}, got {json.dumps(value, default=str)[:40]}"
+        if isinstance(value, dict):
+            fault = config_fault(value, f"{key}.")
+            if fault:
+                return fault
+    return None
+
+
+def fits(value, tp) -> bool:
+    """Whether a config.yaml value is of the config field type `tp` (a bool is not a number)."""
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, dict)
+    if tp is bool or isinstance(value, bool):
+        return tp is bool and isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float))
+    if tp in (int, str):
+        return isinstance(value, tp)
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)  # list[str]
 
 
 def check_types(row: dict, where, text: str = "") -> None:
@@ -79,6 +172,34 @@ def check_types(row: dict, where, text: str = "") -> None:
             at = f"{where}:{line}" if line else where
             want = "in [0, 1]" if top == 1 else "finite and ≥ 0"
             raise ValueError(f"{at}: {key} must be {want}, got {json.dumps(value)[:40]}")
+
+
+def incomparable(runs: list[dict], baseline: str) -> str | None:
+    """Why the runs cannot be compared as they are (None: they can): a run without config.yaml
+    (what it measured cannot be checked), an arm whose runs are not seeds of one config
+    (`mixed_configs`), or a run that measured something else than the baseline (`unlike`)."""
+    unchecked = [run["path"] for run in runs if not run["config"]]
+    if unchecked:
+        return (f"{unchecked[0]}: no config.yaml, so what the run measured cannot be checked "
+                "against the others; --allow-mixed compares it anyway")
+    return mixed_configs(runs) or unlike(runs, baseline)
+
+
+def unlike(runs: list[dict], baseline: str) -> str | None:
+    """Why a run measured something else than the baseline's first run (None: none did): their
+    resolved configs differ in a MEASURED key. A key one of them lacks takes config.py's default
+    (a key is added with the default that keeps the older behaviour); one config.py lacks is not
+    compared."""
+    base = next((run for run in runs if run["strategy"] == baseline), None)
+    defaults = flat_dict(Config())
+    for run in runs if base else []:
+        a, b = defaults | base["config"], defaults | run["config"]
+        for key in sorted(a.keys() & b.keys()):
+            if a[key] != b[key] and key.startswith(MEASURED) and not key.startswith(NOT_MEASURED):
+                return (f"{run['path']} (arm {run['strategy']!r}) measures something else than "
+                        f"the baseline {base['path']}: {key} is {b[key]!r:.30} there, "
+                        f"{a[key]!r:.30} in the baseline; --allow-mixed compares them anyway")
+    return None
 
 
 def mixed_configs(runs: list[dict]) -> str | None:
@@ -131,11 +252,16 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
                  ratio_cell(row["to_gain"]), ratio_cell(row["trained_to_gain"]),
                  ratio_cell(row["passes_to_gain"]), ratio_cell(row["compute_to_gain"]),
                  ratio_cell(row["compute_to_target"]),
-                 f"{row['steps_ratio']:.2f} ({interval(row['steps_ratio_ci'])})",
+                 f"{num(row['steps_ratio'], '.2f')} ({interval(row['steps_ratio_ci'])})",
                  f"{row['aes_mean']:.3f} ({interval(row['aes_ci'], fmt='.3f')})",
                  f"{row['entropy']:.3f}", f"{row['tokens']:.3g}",
                  num(row["trained_tokens"], ".3g"), num(row["trained_rows"], ".3g")]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    base = table[0]
+    if any(math.isnan(base[k][0]) for k in ("to_target", "to_gain")) or math.isnan(
+            base["steps_ratio"]):  # the baseline's own ratio is 1 wherever one is defined
+        lines.append(f"\nblank ratios: {baseline} is at the target from its start (0 tokens or "
+                     "steps) or has no step-0 eval, so no ratio to it is defined")
     return "\n".join(lines)
 
 

@@ -28,6 +28,8 @@ def bootstrap(values: list[float], stat=statistics.median) -> tuple[float, float
         rng = random.Random(0)
         draws = (rng.choices(values, k=len(values)) for _ in range(20_000))
     stats = sorted(map(stat, draws))  # (values may be pairs: `paired_ratio`)
+    if any(map(math.isnan, stats)):  # a resample without a defined value: no interval either
+        return math.nan, math.nan
     bounds = []
     for q in (0.025, 0.975):
         i, f = divmod(q * (len(stats) - 1), 1)
@@ -56,6 +58,14 @@ def t_quantile(p: float, df: float) -> float:
 
 def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else math.nan
+
+
+def mean_known(xs: list) -> float:
+    """The mean of the values a run recorded (NaN when none did)."""
+    known = [x for x in xs if x is not None]
+    if not known:
+        return math.nan
+    return mean(known)
 
 
 def mean_interval(xs: list[float]) -> tuple[float, float]:
@@ -96,14 +106,17 @@ def detectable(a: list[float], b: list[float], alpha: float = 0.05) -> float:
 
 
 def ratio_of_medians(pairs: list[tuple[float, float]]) -> float:
-    """median(a) / median(b) over pairs (a, b) of positive values, inf where never reached: inf
-    when median(a) is (or both are), 0 when only median(b) is."""
+    """median(a) / median(b) over pairs (a, b) of values ≥ 0, inf where never reached: inf when
+    median(a) is (or both are), 0 when only median(b) is. median(b) = 0 (the baseline there from
+    its start): inf when median(a) > 0, NaN (no ratio is defined) when it is 0 too."""
     a = statistics.median([p[0] for p in pairs])
     b = statistics.median([p[1] for p in pairs])
     if math.isinf(a):
         return math.inf
     if math.isinf(b):
         return 0.0
+    if b == 0:
+        return math.inf if a > 0 else math.nan
     return a / b
 
 

@@ -5,6 +5,7 @@ after every step) and <out>/gpu_run.log (every child's whole output).
 
   python bench/gpu_run.py --out docs/gpu                 # on the GPU machine
   python bench/gpu_run.py --dry-run --out /tmp/gpu_dry   # every step on a CPU at toy sizes (~2 min)
+  python bench/gpu_run.py --dry-run                      # the same into a new temporary folder
   python bench/gpu_run.py --steps tiny resume            # some steps
 
 Steps:
@@ -33,16 +34,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from support.util import kill_tree, run_capped
+from support.util import OneLineParser, kill_tree, path_fault, run_capped
 
 CHECK = [sys.executable, str(REPO / "bench" / "gpu_check.py")]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
@@ -50,6 +53,7 @@ TINY = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs"
         "--wandb.mode=disabled"]
 CAPS = {"env": 60, "check": 240, "tiny": 150, "resume": 150, "full": 240, "lora": 180}
 """Seconds each step may take on the GPU (a dry run gets the same)."""
+MIN_CAP = 20  # seconds: a step with less of the budget left is not run
 DRY = ["--shape", "dry", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
        "--max-new-tokens", "12", "--allow-cpu"]
 """gpu_check's sizes in a dry run (every step's): the tiny model on the CPU."""
@@ -58,15 +62,54 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "HF_HUB_
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/gpu", help="folder of gpu_run.json and gpu_run.log")
+    """The arguments, or one line on stderr and exit 2: an unknown step, no step, a budget no step
+    fits in, an --out or --work no file system can hold."""
+    ap = OneLineParser(prog="gpu_run.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="folder of gpu_run.json and gpu_run.log (default: docs/gpu; for "
+                    "a dry run a new temporary folder: it never replaces the GPU run's record)")
     ap.add_argument("--work", default="/tmp/gpu_run", help="scratch folder (models, runs)")
     ap.add_argument("--dry-run", action="store_true", help="every step on a CPU at toy sizes")
-    ap.add_argument("--steps", nargs="*", default=list(CAPS), choices=list(CAPS))
-    ap.add_argument("--budget", type=float, default=550, help="seconds for all steps together")
+    ap.add_argument("--steps", nargs="+", default=list(CAPS), choices=list(CAPS))
+    ap.add_argument("--budget", type=seconds, default=550, help="seconds for all steps together")
     ap.add_argument("--rank-check", action="store_true", help=argparse.SUPPRESS)  # torchrun's child
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    for flag, path in (("--out", a.out), ("--work", a.work)):
+        fault = None if path is None else path_fault(path) if path.strip() else "is empty"
+        if fault:
+            ap.error(f"{flag} {path!r} {fault}")
+    return a
+
+
+def seconds(text: str) -> float:
+    """--budget: finite and at least MIN_CAP seconds (less runs no step and exits as if done)."""
+    value = float(text)  # (ValueError: argparse's "invalid seconds value")
+    if not MIN_CAP <= value < math.inf:  # (NaN is not)
+        raise argparse.ArgumentTypeError(f"must be finite and ≥ {MIN_CAP} s (no step runs on "
+                                         f"less), got {text}")
+    return value
+
+
+def folders(a) -> Report:
+    """The scratch folder, then the output folder and its report, or one line on stderr and exit
+    2. A dry run without --out writes to a new temporary folder."""
+    out = a.out or "docs/gpu"
+    try:
+        Path(a.work).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--work {a.work}: cannot make the folder: {e.strerror or e}")
+    try:
+        if a.dry_run and a.out is None:  # docs/gpu holds the GPU run's record: never a dry run's
+            out = tempfile.mkdtemp(prefix="gpu_run_dry_")
+        return Report(Path(out), a.dry_run)
+    except OSError as e:
+        fail(f"--out {out}: cannot write its folder: {e.strerror or e}")
+
+
+def fail(message: str) -> None:
+    """Bad input: one line on stderr, exit 2."""
+    print(f"gpu_run.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 class Report:
@@ -342,15 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available() and not a.dry_run:
-        print("gpu_run: no GPU is visible; on a CPU run it with --dry-run")
-        return 2
-    report = Report(Path(a.out), a.dry_run)
-    Path(a.work).mkdir(parents=True, exist_ok=True)
+        fail("no GPU is visible; on a CPU run it with --dry-run")
+    report = folders(a)
+    report.say(f"gpu_run: writing {report.json} and {report.log}")
     t0 = time.time()
     for name in a.steps:
         left = a.budget - (time.time() - t0)
         cap = min(CAPS[name], left)
-        if cap < 20:
+        if cap < MIN_CAP:
             report.step(name, {"status": "not run", "why": f"{left:.0f} s of the budget left"})
             continue
         s0 = time.time()

@@ -23,6 +23,7 @@ import yaml
 from fixtures import previous_run, snapshot
 from safetensors.torch import load_file, save_file
 
+import config
 import eval as ev
 import train
 from analysis import compare
@@ -515,3 +516,80 @@ def test_a_full_disk_under_save_correct_is_one_line_and_leaves_no_file(tmp_path,
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.endswith(bars)]
     assert lines == [f"eval.py: error: cannot write {saved}: No space left on device"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------- domains still open (#49): config rules
+
+HUGE = str(10**30)
+NEW = ["--rollout.max_new_tokens=24"]
+SKIP = ["--skip.enabled=true"]
+DOMAINS = [  # (overrides, what the line says): every rule names its key and what it must be
+    ([*NEW, "--reward.overlong_buffer=30"],
+     "reward.overlong_buffer must be ≤ rollout.max_new_tokens (24)"),
+    ([*NEW, "--reward.overlong_buffer=25"], "a longer buffer punishes every completion, got 25"),
+    ([*SKIP, "--skip.easy=1.5"], "skip.easy must be ≤ 1, the most a completion's reward can be"),
+    ([*SKIP, "--reward.correct=0.5"], "skip.easy must be ≤ 0.5, the most"),
+    ([*SKIP, "--skip.hard=-0.5"], "skip.hard must be ≥ 0, the least a completion's reward can be"),
+    ([*SKIP, "--reward.no_answer=-1", "--skip.hard=-1.5"], "skip.hard must be ≥ -1, the least"),
+    ([*SKIP, *NEW, "--reward.overlong_buffer=4", "--skip.hard=-1.5"], "skip.hard must be ≥ -1,"),
+    ([f"--optim.micro_batch_size={HUGE}"], "optim.micro_batch_size must be > 0 and ≤ 10^9, got 1"),
+    ([f"--optim.logprob_batch_size={HUGE}"], "optim.logprob_batch_size must be > 0 and ≤ 10^9"),
+    ([f"--optim.micro_batch_tokens={HUGE}"], "micro_batch_tokens must be ≥ 0 (0 = off) and ≤ 10^9"),
+    ([f"--rollout.gen_batch_size={HUGE}"], "rollout.gen_batch_size must be > 0 and ≤ 10^9"),
+    (["--replay.module=.x"], "replay.module must be a module name on sys.path"),
+    (["--replay.module=..x.y"], "replay.module must be a module name on sys.path"),
+]
+VALID = [  # the edges of the same rules: accepted
+    [*NEW, "--reward.overlong_buffer=24"],  # the penalty falls from length 0 (test_rollout's)
+    [*SKIP, "--skip.easy=1.0", "--skip.hard=0"],
+    [*SKIP, "--reward.format_bonus=0.5", "--skip.easy=1.5"],  # a boxed right answer gets 1.5
+    [*SKIP, *NEW, "--reward.overlong_buffer=4", "--skip.hard=-1"],  # the penalty reaches −1
+    ["--reward.correct=0.5"],  # skipping off: its thresholds are never read
+    ["--optim.micro_batch_size=1000000000", "--optim.micro_batch_tokens=0"],
+]
+
+
+@pytest.mark.parametrize("overrides, words", DOMAINS, ids=[d[1][:30] for d in DOMAINS])
+def test_config_domains_still_open_are_refused(overrides, words):
+    """reward.overlong_buffer below rollout.max_new_tokens; skip.easy and skip.hard within the
+    rewards a completion can get (RewardConfig.bounds) when skipping is on; the batch knobs
+    bounded (10^30 overflowed in torch); replay.module an absolute name (.x: a traceback)."""
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(config.load_config(None, overrides))
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("overrides", VALID)
+def test_config_domains_edges_are_accepted(overrides):
+    config.validate(config.load_config(None, overrides))
+
+
+@needs_model
+@pytest.mark.parametrize("args, words", [
+    ([f"--optim.micro_batch_size={HUGE}"], "optim.micro_batch_size must be > 0 and ≤ 10^9"),
+    (["--replay.module=.x"], "replay.module must be a module name on sys.path"),
+    (["--reward.overlong_buffer=25"], "reward.overlong_buffer must be ≤ rollout.max_new_tokens"),
+    (["--skip.enabled=true", "--skip.easy=2"], "skip.easy must be ≤ 1, the most")])
+def test_train_refuses_domains_still_open_in_one_line(tmp_path, args, words):
+    out = tmp_path / "run"
+    r = run_script("train.py", *TINY, f"--out_dir={out}", *args)
+    assert r.returncode == 2 and words in one_line(r.stderr), r.stderr[-3000:]
+    assert not out.exists()
+
+
+@needs_model
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_eval_refuses_a_model_with_weights_not_finite(tmp_path, value):
+    """NaN (or inf) weights: one line naming the folder and the weight, before anything is
+    generated or written (it was FloatingPointError's traceback from the sampler)."""
+    folder = tmp_path / "model"
+    shutil.copytree(MODEL, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][0, 0] = value
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    r = run_script("eval.py", *EVAL, "--model", str(folder), "--out-dir", str(out))
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = one_line(r.stderr, "eval.py: error: ")
+    assert f"model {folder}: weight model.layers.1.mlp.up_proj.weight is not finite" in line
+    assert not out.exists()

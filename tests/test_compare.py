@@ -510,3 +510,156 @@ def test_gain_target_and_paired_ratios_in_the_table(tmp_path):
     assert ratio_cell((0.45, 0.35, 0.48)).endswith("[shown / ruled out]")
     assert ratio_cell((0.6, 0.4, 0.9)).endswith("[not shown / ruled out]")
     assert ratio_cell(table[0]["to_target"]).startswith("1.00 (1.00–1.00)")
+
+
+# -------------------------------------------- like with like, never a crash on a valid input (#49)
+
+
+def compare_cli(out: Path, *args) -> subprocess.CompletedProcess:
+    """`python eval.py --compare ARGS --out-dir OUT`, the user's entry point."""
+    cmd = [sys.executable, "eval.py", "--compare", *map(str, args), "--out-dir", str(out)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+
+
+def compare_refused(tmp_path: Path, *args) -> str:
+    """The one line `eval.py --compare ARGS` refuses with: exit 2, nothing written."""
+    r = compare_cli(tmp_path / "cmp", *args)
+    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("eval.py: error: "), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "cmp").exists()
+    return r.stderr
+
+
+def set_config(run: Path, **sections) -> Path:
+    """`run`'s config.yaml with `sections` merged into it, one level deep."""
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    for name, value in sections.items():
+        config[name] = config.get(name, {}) | value if isinstance(value, dict) else value
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    return run
+
+
+AT_START = [  # (none's seeds, the other arm's, arguments): none at its target from step 0
+    ([[0.3] * 4, [0.3] * 4], [0.3, 0.4, 0.4, 0.4], []),  # flat runs
+    ([[0.2, 0.4, 0.5, 0.6]] * 2, [0.2, 0.5, 0.6, 0.6], ["--target", "0"]),
+    # initials 0.1, 0.3, 0.3 (mean 0.23): two seeds at a tiny gain target from step 0
+    ([[0.1, 0.3, 0.4, 0.5], [0.3, 0.3, 0.4, 0.5], [0.3, 0.4, 0.5, 0.5]], [0.3, 0.5, 0.6, 0.6],
+     ["--gain-fraction", "1e-9"])]
+
+
+@pytest.mark.parametrize("base, other, args", AT_START, ids=["flat", "target0", "gain_fraction"])
+def test_compare_baseline_at_its_target_from_the_start_answers(tmp_path, base, other, args):
+    """A baseline at its target from step 0 (0 tokens to it) is a valid input: the ratios to it
+    are undefined, left blank (NaN in compare.json) with a note, never a crash or a 0."""
+    runs = [train_run(tmp_path, "none", s, accs) for s, accs in enumerate(base)]
+    runs += [f"fast={train_run(tmp_path, 'fast', s, other)}" for s in range(len(base))]
+    r = compare_cli(tmp_path / "cmp", *runs, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "blank ratios: none is at the target from its start" in r.stdout
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    none, fast = result["strategies"]
+    key = "to_gain" if "--gain-fraction" in args else "to_target"
+    assert math.isnan(none[key][0]) and math.isnan(fast[key][0])
+
+
+def test_ratio_of_medians_over_a_baseline_at_zero():
+    """median(b) = 0: inf when the arm's median is above it, NaN when it is 0 too."""
+    assert cp.paired_ratio([(0.0, 0.0), (0.0, 0.0)])[0] != cp.paired_ratio([])[0]  # both NaN
+    assert math.isnan(cp.paired_ratio([(0.0, 0.0), (5.0, 0.0), (0.0, 0.0)])[0])
+    assert cp.paired_ratio([(3.0, 0.0), (5.0, 0.0)])[0] == math.inf
+    assert cp.paired_ratio([(2.0, 4.0), (3.0, 6.0)]) == pytest.approx((0.5, 0.5, 0.5))
+
+
+MEASURED = [{"model": {"path": "another/model"}}, {"data": {"eval": "gsm8k"}},
+            {"eval": {"n": 50}}, {"eval": {"temperature": 0.5}},
+            {"model": {"compute_dtype": "bf16"}},
+            {"rollout": {"max_new_tokens": 99}}, {"rollout": {"temperature": 0.7}},
+            {"rollout": {"top_k": 5}}, {"reward": {"correct": 2.0}}]
+
+
+def test_compare_refuses_an_arm_that_measures_something_else(tmp_path):
+    """Every run is checked against the baseline's on the keys that define what is measured (the
+    model, the data, eval.* but eval.every, the generation length and sampling, reward.*): one
+    line naming the key, --allow-mixed compares anyway; what the arms vary (lr, adapters, eval
+    spacing) passes; a run without config.yaml cannot be checked: refused unless --allow-mixed."""
+    none = [train_run(tmp_path, "none", s, [0.2, 0.4, 0.5, 0.6]) for s in (0, 1)]
+    lora = set_config(train_run(tmp_path, "lora", 0, [0.2, 0.5, 0.6, 0.6]), eval={"every": 5},
+                      model={"lora": {"rank": 8}}, optim={"lr": 0.01})
+    r = compare_cli(tmp_path / "ok", *none, f"lora={lora}")
+    assert r.returncode == 0 and "| lora | 1 |" in r.stdout, r.stderr[-3000:]
+    for i, sections in enumerate(MEASURED):
+        arm = set_config(train_run(tmp_path, f"arm{i}", 0, [0.2, 0.5, 0.6, 0.6]), **sections)
+        (section, values), = sections.items()
+        key = f"{section}.{next(iter(values))}"
+        line = compare_refused(tmp_path, *none, arm)
+        assert f"{arm} (arm 'arm{i}') measures something else than the baseline {none[0]}: " \
+               f"{key} is" in line and "--allow-mixed" in line, line
+        if i == 0:
+            assert compare_cli(tmp_path / "mixed", *none, arm, "--allow-mixed").returncode == 0
+    bare = train_run(tmp_path, "bare", 0, [0.2, 0.5, 0.6, 0.6])
+    (bare / "config.yaml").unlink()
+    assert f"{bare}: no config.yaml" in compare_refused(tmp_path, *none, bare)
+    assert compare_cli(tmp_path / "bare_ok", *none, bare, "--allow-mixed").returncode == 0
+
+
+def set_summary(run: Path, **fields) -> None:
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps(summary | fields, indent=2) + "\n")
+
+
+def set_metrics(run: Path, edit) -> None:
+    """metrics.jsonl's text replaced by `edit(text)`."""
+    (run / "metrics.jsonl").write_text(edit((run / "metrics.jsonl").read_text()))
+
+
+def falling(text: str) -> str:
+    """The third row's generated tokens below the second's."""
+    rows = [json.loads(line) for line in text.splitlines()]
+    rows[2]["generated_tokens"] = rows[1]["generated_tokens"] - 1
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+BAD_RUNS = [  # (how the run is spoilt, the file named, what the line says)
+    (lambda r: set_config(r, model=1), "config.yaml",
+     "model must be a section (a mapping), got 1"),
+    (lambda r: set_config(r, skip=[1]), "config.yaml", "skip must be a section"),
+    (lambda r: set_config(r, optim={"epochs": "2"}), "config.yaml",
+     'optim.epochs must be int, got "2"'),
+    (lambda r: set_config(r, stages={"first": None}), "config.yaml",
+     "stages.first must be int, got null"),
+    (lambda r: set_config(r, seed=[1]), "config.yaml", "seed must be int, got [1]"),
+    (lambda r: set_config(r, rollout={"stop_tokens": [1]}), "config.yaml",
+     "rollout.stop_tokens must"),
+    (lambda r: set_summary(r, rows_trained="abc"), "summary.json",
+     "rows_trained must be a number"),
+    (lambda r: set_summary(r, seed=[1]), "summary.json", "seed must be int, got [1]"),
+    (lambda r: set_summary(r, tokens_trained=-5), "summary.json",
+     "tokens_trained must be finite and ≥ 0"),
+    (lambda r: set_metrics(r, lambda t: ""), "metrics.jsonl", "no rows (an empty run"),
+    (lambda r: set_metrics(r, lambda t: "\n\n"), "metrics.jsonl", "no rows (an empty run"),
+    (lambda r: (r / "metrics.jsonl").unlink(), "metrics.jsonl", "not found"),
+    (lambda r: set_metrics(r, lambda t: t[:-9]), "metrics.jsonl:6", "the run still writing it?"),
+    (lambda r: set_metrics(r, falling), "metrics.jsonl:3",
+     "generated_tokens 199 after 200 on line 2"),
+    (lambda r: set_metrics(r, lambda t: t + t), "metrics.jsonl:7",
+     "step 1 after 6 on line 6: steps rise"),
+    (lambda r: set_metrics(r, lambda t: t.replace('"step": 3', '"step": 2')), "metrics.jsonl:3",
+     "step 2 after 2"),
+]
+
+
+@pytest.mark.parametrize("spoil, name, words", BAD_RUNS, ids=[b[2][:24] for b in BAD_RUNS])
+def test_compare_refuses_a_spoilt_run_in_one_line(tmp_path, spoil, name, words):
+    """A run file of a wrong type, an empty run, one still being written, a negative count, a
+    count that falls or steps that repeat (two runs wrote one file): one line naming the file."""
+    base = train_run(tmp_path, "none", 0, [0.2, 0.4, 0.5, 0.6])
+    run = train_run(tmp_path, "arm", 0, [0.2, 0.5, 0.6, 0.6])
+    spoil(run)
+    line = compare_refused(tmp_path, base, run)
+    assert f"{run / name}" in line and words in line, line
+
+
+def test_compare_refuses_an_empty_label_or_folder(tmp_path):
+    run = train_run(tmp_path, "none", 0, [0.2, 0.4, 0.5, 0.6])
+    for arg in (f"={run}", f" ={run}", "x=", ""):
+        assert f"{arg!r}: a run is [LABEL=]RUN_DIR" in compare_refused(tmp_path, run, arg)

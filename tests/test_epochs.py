@@ -372,6 +372,7 @@ def test_epochs_arms_have_their_own_compare_label(tmp_path):
         (run / "summary.json").write_text(json.dumps({"strategy": strategy, "seed": 0}))
         config = {"replay": {"strategy": strategy}, "optim": {"epochs": epochs, "gate": gate}}
         (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "metrics.jsonl").write_text('{"step": 1, "generated_tokens": 10}\n')  # (a row: #49)
         assert load_run(run)["strategy"] == label
 
 
