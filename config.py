@@ -18,7 +18,7 @@ from pathlib import Path
 from data.loaders import read_yaml_file
 from data.tiny_task import TEST_SIZE, TinyTask
 from grpo import GRPOConfig, UpdateSettings
-from methods.lookahead import LookaheadConfig
+from methods.lookahead import PASSES, LookaheadConfig
 from replay import ReplayConfig, sizes
 from rewards import RewardConfig
 from rollout import MIN_TEMPERATURE, RolloutConfig
@@ -190,10 +190,7 @@ class Config:
                 "skip.hard": (not skip or self.skip.hard >= low, f"≥ {low:g}, {NEVER % 'least'}"),
                 "optim.minibatches": (mb < 1 or prompts % mb == 0,
                                       f"a divisor of the prompts per step ({prompts})"),
-                "optim.epochs": (self.lookahead.method == "none" or self.optim.epochs == 1,
-                                 "1 with lookahead.method sfpo or gxpo (it sets the passes)"),
-                "lookahead.method": (self.lookahead.method != "gxpo" or mb == 1,
-                                     "not gxpo with optim.minibatches > 1 (three passes a batch)"),
+                "lookahead.method": (self.lookahead.fits(self.optim), PASSES),
                 "rollout.engine": (vllm_ok, ("hf when vLLM is not installed "
                                              "(pip install -r requirements-vllm.txt)"))}
 

@@ -154,6 +154,26 @@ def seed_mean_curve(runs: list[dict]) -> list[tuple]:
     return curve
 
 
+def crossings(run: dict, target: float, gain_target: float, base_tokens: float) -> None:
+    """Where `run` first holds each target (set in place): in generated tokens, tokens trained,
+    token passes, total compute and steps."""
+    crossing = sustained_crossing(run["curve"], target)
+    run["tokens_to_target"] = crossing
+    run["tokens_ratio"] = None if crossing is None else crossing / base_tokens
+    run["tokens_to_gain"] = sustained_crossing(run["curve"], gain_target)
+    by_trained = [(c[0], run["trained"][c[0]], *c[2:]) for c in run["curve"]
+                  if c[0] in run["trained"]]  # the same rule over trained tokens
+    run["trained_to_gain"] = sustained_crossing(by_trained, gain_target)
+    counted = [c for c in run["curve"] if c[0] in run["passes"]]  # (runs before #47: none)
+    by_passes = [(c[0], run["passes"][c[0]][0], *c[2:]) for c in counted]
+    run["passes_to_gain"] = sustained_crossing(by_passes, gain_target)
+    by_compute = [(c[0], compute(c[1], *run["passes"][c[0]]), *c[2:]) for c in counted]
+    run["compute_to_gain"] = sustained_crossing(by_compute, gain_target)
+    run["compute_to_target"] = sustained_crossing(by_compute, target)
+    by_step = [(c[0], c[0], c[2], c[3]) for c in run["curve"]]  # the same rule in steps
+    run["steps_to_target"] = sustained_crossing(by_step, target)
+
+
 def compare_runs(runs: list[dict], baseline: str, target: float | None,
                  budget: float | str | None, gain_fraction: float = 0.9):
     """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy is the
@@ -181,21 +201,7 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
     common_grid(runs)
     arms = {}
     for run in runs:
-        crossing = sustained_crossing(run["curve"], target)
-        run["tokens_to_target"] = crossing
-        run["tokens_ratio"] = None if crossing is None else crossing / T_b
-        run["tokens_to_gain"] = sustained_crossing(run["curve"], gain_target)
-        by_trained = [(c[0], run["trained"][c[0]], *c[2:]) for c in run["curve"]
-                      if c[0] in run["trained"]]  # the same rule over trained tokens
-        run["trained_to_gain"] = sustained_crossing(by_trained, gain_target)
-        counted = [c for c in run["curve"] if c[0] in run["passes"]]  # (runs before #47: none)
-        by_passes = [(c[0], run["passes"][c[0]][0], *c[2:]) for c in counted]
-        run["passes_to_gain"] = sustained_crossing(by_passes, gain_target)
-        by_compute = [(c[0], compute(c[1], *run["passes"][c[0]]), *c[2:]) for c in counted]
-        run["compute_to_gain"] = sustained_crossing(by_compute, gain_target)
-        run["compute_to_target"] = sustained_crossing(by_compute, target)
-        by_step = [(c[0], c[0], c[2], c[3]) for c in run["curve"]]  # the same rule in steps
-        run["steps_to_target"] = sustained_crossing(by_step, target)
+        crossings(run, target, gain_target, T_b)
         run["aes"] = math.nan
         if run["final"] is not None and run["length"] is not None:
             run["aes"] = aes(run["length"], run["final"], L_b, A_b)
@@ -242,9 +248,7 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "ratio_ci": bootstrap(ratios), "reached": sum(math.isfinite(x) for x in ratios),
             "to_target": paired_ratio(pairs(runs, base, "tokens_to_target")),
             "to_gain": paired_ratio(pairs(runs, base, "tokens_to_gain")),
-            "trained_to_gain": (paired_ratio(pairs(runs, base, "trained_to_gain"))
-                                if all(len(run["trained"]) > 1 for run in runs + base)
-                                else (math.nan,) * 3),  # (runs before #42 logged none)
+            "trained_to_gain": counted_ratio(runs, base, "trained_to_gain", "trained"),
             "passes_to_gain": counted_ratio(runs, base, "passes_to_gain"),
             "compute_to_gain": counted_ratio(runs, base, "compute_to_gain"),
             "compute_to_target": counted_ratio(runs, base, "compute_to_target"),
@@ -264,9 +268,10 @@ def pairs(runs: list[dict], base: list[dict], key: str) -> list[tuple[float, flo
             for run in runs if run["seed"] in by_seed]
 
 
-def counted_ratio(runs: list[dict], base: list[dict], key: str) -> tuple:
-    """The paired ratio of `key`, a count of token passes (#47), or NaNs when a run logged none."""
-    if not all(len(run["passes"]) > 1 for run in runs + base):
+def counted_ratio(runs: list[dict], base: list[dict], key: str, log: str = "passes") -> tuple:
+    """The paired ratio of `key`, or NaNs when a run logged no `log` (trained tokens: runs before
+    #42; token passes: before #47)."""
+    if not all(len(run[log]) > 1 for run in runs + base):
         return (math.nan,) * 3
     return paired_ratio(pairs(runs, base, key))
 

@@ -46,6 +46,7 @@ from support.parallel import local
 
 DELTA = 1e-8  # GXPO: |g0| below this is no signal; so is |1 + r|
 RATIO = (-2.0, 3.0)  # GXPO: r = g1/g0 clamped to this, per coordinate
+PASSES = "none with optim.epochs > 1, and not gxpo with optim.minibatches > 1 (it sets the passes)"
 
 
 @dataclass
@@ -68,6 +69,12 @@ class LookaheadConfig:
     """gxpo: weight ω of the newest norm in the running mean and variance of that z"""
     max_zero_share: float = 0.5
     """gxpo: a batch with more than this share of zero rewards takes one plain pass"""
+
+    def fits(self, optim) -> bool:
+        """Whether optim.* leaves the passes to this method (the rule `PASSES` words)."""
+        if self.method == "none":
+            return True
+        return optim.epochs == 1 and (self.method == "sfpo" or optim.minibatches == 1)
 
     def check(self) -> dict[str, tuple[bool, str]]:
         fast_min = 2 if self.method == "gxpo" else 0

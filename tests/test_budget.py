@@ -72,7 +72,7 @@ def test_budget_detectors_on_a_synthetic_tree(tmp_path):
     assert "train.py:81:Tuple" in out and "functions over 60 lines: 1" in out
     assert "# noqa outside rewards.py: 1" in out and "lines over 100 characters: 1" in out
     reading = next(line for line in out.splitlines() if line.startswith("reading path"))
-    assert reading.split()[-3:] == [str(7 * 3 + 74), "1530", "ok"]  # train, grpo, rollout, replay
+    assert reading.split()[-3:] == [str(7 * 3 + 74), str(budget.READING_BUDGET), "ok"]
     check = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
                             "--check"], capture_output=True, text=True, check=False)
     assert check.returncode == 1 and "4 target(s) missed" in check.stdout

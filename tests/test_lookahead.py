@@ -192,7 +192,7 @@ def test_token_passes_equal_the_positions_the_forwards_ran():
 
 
 def test_lookahead_rules_refuse_what_would_mean_something_else(tmp_path):
-    for args, key in ((["--lookahead.method=sfpo", "--optim.epochs=2"], "optim.epochs"),
+    for args, key in ((["--lookahead.method=sfpo", "--optim.epochs=2"], "lookahead.method"),
                       (["--lookahead.method=gxpo", "--lookahead.fast_steps=1"],
                        "lookahead.fast_steps"),
                       (["--lookahead.method=gxpo", "--rollout.batch_size=64",
