@@ -23,7 +23,7 @@ import eval as ev
 import train
 from analysis import compare
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = REPO / "data" / "tiny_model"
 ENV = {
     **os.environ,

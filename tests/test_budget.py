@@ -5,8 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
+sys.path.insert(0, str(REPO / "bench"))
 import budget
 
 SMALL = '''"""A module docstring
@@ -64,7 +64,7 @@ def test_budget_detectors_on_a_synthetic_tree(tmp_path):
     counted = budget.code_lines(bad)
     assert m["chars"] == sum(len(bad.splitlines()[n - 1].rstrip()) for n in counted)
     assert m["lines"] == 7 + 61 + 6
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root)],
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "budget.py"), "--root", str(root)],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr  # figures only, by default
     out = proc.stdout
@@ -73,7 +73,7 @@ def test_budget_detectors_on_a_synthetic_tree(tmp_path):
     assert "# noqa outside rewards.py: 1" in out and "lines over 100 characters: 1" in out
     reading = next(line for line in out.splitlines() if line.startswith("reading path"))
     assert reading.split()[-3:] == [str(7 * 3 + 74), str(budget.READING_BUDGET), "ok"]
-    check = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
+    check = subprocess.run([sys.executable, str(REPO / "bench" / "budget.py"), "--root", str(root),
                             "--check"], capture_output=True, text=True, check=False)
     assert check.returncode == 1 and "4 target(s) missed" in check.stdout
 
@@ -81,18 +81,18 @@ def test_budget_detectors_on_a_synthetic_tree(tmp_path):
 def test_budget_check_passes_on_a_clean_tree_and_counts_each_support_module(tmp_path):
     root = write_tree(tmp_path)
     (root / "support" / "big.py").write_text("x = 1\n" * 301)  # each module of support/: ≤ 300
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "budget.py"), "--root", str(root),
                            "--check"], capture_output=True, text=True, check=False)
     assert proc.returncode == 1
     big = next(line for line in proc.stdout.splitlines() if line.startswith("support/big.py "))
     assert big.split()[-3:] == ["301", "300", "MISSED"]
     (root / "support" / "big.py").unlink()
     (root / "grpo.py").unlink()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "budget.py"), "--root", str(root),
                            "--check"], capture_output=True, text=True, check=False)
     assert proc.returncode == 1 and "(no grpo.py)" in proc.stdout  # a missing file misses
     write_tree(root)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budget.py"), "--root", str(root),
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "budget.py"), "--root", str(root),
                            "--check"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "0 target(s) missed" in proc.stdout
 
@@ -109,10 +109,10 @@ def test_budget_imports_no_module_imports_train_and_grpo_imports_no_config(tmp_p
 
 def test_budget_imports_of_this_repository():
     """The real tree: nothing imports train.py, grpo.py imports no config class."""
-    for _, names, _ in budget.subjects(ROOT):
+    for _, names, _ in budget.subjects(REPO):
         for name in names:
-            if (ROOT / name).is_file():
-                assert budget.measure(ROOT / name)["imports"] == [], name
+            if (REPO / name).is_file():
+                assert budget.measure(REPO / name)["imports"] == [], name
 
 
 def owned(path: Path) -> bool:
@@ -123,10 +123,10 @@ def owned(path: Path) -> bool:
 
 def test_every_python_file_keeps_lines_of_at_most_100_characters():
     """STYLE.md's line length holds beyond the reading path: tests, bench scripts, data/ too."""
-    files = [p for p in sorted(ROOT.rglob("*.py")) if owned(p.relative_to(ROOT))]
+    files = [p for p in sorted(REPO.rglob("*.py")) if owned(p.relative_to(REPO))]
     long = []
     for p in files:  # budget.py's own detector, over every file rather than the reading path
-        long += [f"{p.relative_to(ROOT)}:{n}" for n in budget.measure(p)["long_lines"]]
+        long += [f"{p.relative_to(REPO)}:{n}" for n in budget.measure(p)["long_lines"]]
     assert long == [], long[:20]
 
 
@@ -134,10 +134,10 @@ def test_readmes_reading_order_gives_each_files_counted_lines():
     """README's reading-order table says how many lines each file counts (as bench/budget.py
     counts them): the figures stay true as the files change."""
     table = r"^\| `(\w+\.py)` \| (\d+) \|"  # | `train.py` | 344 | ...
-    rows = re.findall(table, (ROOT / "README.md").read_text(), re.MULTILINE)
+    rows = re.findall(table, (REPO / "README.md").read_text(), re.MULTILINE)
     assert len(rows) >= 5
     for name, lines in rows:
-        assert budget.measure(ROOT / name)["lines"] == int(lines), name
+        assert budget.measure(REPO / name)["lines"] == int(lines), name
 
 
 def test_an_ordinary_default_step_runs_at_most_four_support_modules():
@@ -175,7 +175,7 @@ def test_support_imports_nothing_above_it_but_the_vllm_samplers_container():
     rollout, grpo, replay, rewards, config, eval, methods or analysis, except support/vllm.py,
     whose sampler returns rollout.py's Rollouts (the sampler seam's contract)."""
     found = {}
-    for f in sorted((ROOT / "support").glob("*.py")):
+    for f in sorted((REPO / "support").glob("*.py")):
         imports = reading_path_imports(f)
         if imports:
             found[f.name] = imports

@@ -15,7 +15,7 @@ import yaml
 import eval as ev
 from analysis import compare as cp
 
-ROOT = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 
 
 def write_run(root: Path, strategy: str, seed: int, evals: list[tuple], finished: bool = True,
@@ -188,7 +188,7 @@ def test_area_table_end_to_end_on_train_run_folders(tmp_path, capsys):
     # the same table from `python -m analysis.compare`, and --budget covers the short run
     cmd = [sys.executable, "-m", "analysis.compare", *map(str, runs),
            "--out-dir", str(tmp_path / "again")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.replace(str(tmp_path / "again"), str(tmp_path / "out")) == table
     cp.main([*map(str, runs), "--out-dir", str(tmp_path / "b"), "--budget", "300"])
@@ -355,7 +355,7 @@ def test_plateau_check_on_hand_made_curves(tmp_path):
         (d / "config.yaml").write_text("replay:\n  strategy: none\n")
         return str(d)
 
-    script = [sys.executable, str(ROOT / "bench" / "plateau.py")]
+    script = [sys.executable, str(REPO / "bench" / "plateau.py")]
     # seed means 0.50, 0.51, 0.505 at the last three evals: spread 0.01 <= SE 0.02 / sqrt(2)
     runs = [run("a", [0.2, 0.5, 0.52, 0.50]), run("b", [0.2, 0.5, 0.50, 0.51])]
     flat = subprocess.run([*script, *runs], check=False, capture_output=True, text=True)
@@ -413,7 +413,7 @@ def test_area_on_the_evals_every_run_shares(tmp_path):
 def test_reproduce_tiny_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_path, monkeypatch):
     """bench/reproduce_tiny.py: a run folder with a checkpoint and no summary.json is resumed, one
     without a checkpoint started over, a finished one left alone."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
     import reproduce_tiny
 
     calls = []
@@ -421,7 +421,7 @@ def test_reproduce_tiny_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_
     (tmp_path / "none-s0" / "checkpoints" / "step_000050").mkdir(parents=True)
     (tmp_path / "none-s2").mkdir()
     (tmp_path / "none-s2" / "summary.json").write_text("{}")
-    configs = ROOT / "configs" / "tiny"
+    configs = REPO / "configs" / "tiny"
     for seed in (0, 1, 2):
         reproduce_tiny.train(configs, "none", seed, tmp_path, ["--eval.every=10"])
     assert len(calls) == 2
@@ -518,7 +518,7 @@ def test_gain_target_and_paired_ratios_in_the_table(tmp_path):
 def compare_cli(out: Path, *args) -> subprocess.CompletedProcess:
     """`python eval.py --compare ARGS --out-dir OUT`, the user's entry point."""
     cmd = [sys.executable, "eval.py", "--compare", *map(str, args), "--out-dir", str(out)]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
 def compare_refused(tmp_path: Path, *args) -> str:

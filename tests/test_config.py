@@ -3,13 +3,12 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from config import Config, ConfigError, load_config, validate
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 
 
 def test_defaults_yaml_then_cli(tmp_path):

@@ -25,7 +25,7 @@ import train
 from support import checkpoint
 from support.parallel import all_ranks, backend_map
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 TINY = [
     "--config",
     "configs/tiny.yaml",

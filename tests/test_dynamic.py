@@ -3,7 +3,6 @@ groups with a reward spread reach the update, every generated token is counted, 
 stops it and says so."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,7 @@ import rollout
 import train
 from config import load_config, validate
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 pytestmark = pytest.mark.skipif(not (REPO / "data" / "tiny_model" / "config.json").exists(),
                                 reason="no tiny model")
 

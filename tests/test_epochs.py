@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_reliability as reliability
+import test_checkpoint as reliability
 import torch
 from fixtures import worker_results, write_result
 from test_scale import model_dir, shard, synthetic_batch, tiny_qwen3  # noqa: F401

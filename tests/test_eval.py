@@ -18,8 +18,8 @@ import eval as ev
 import rollout
 from rollout import HFSampler, RolloutConfig, Row, pack
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(os.environ.get("SHARED_DATA_DIR", ROOT.parent / "shared" / "data")) / "benchmarks"
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
+BENCH = Path(os.environ.get("SHARED_DATA_DIR", REPO.parent / "shared" / "data")) / "benchmarks"
 
 # ----------------------------------------------------------------------------------------- metrics
 
@@ -149,7 +149,7 @@ def test_cli_model_end_to_end(tiny_random_model, tmp_path):
            "--data-dir", str(BENCH), "--limit", "2", "--k", "2", "--max-new-tokens", "6",
            "--batch-size", "4",
            "--out-dir", str(out)]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert ("| benchmark | problems | avg@2 | pass@2 | maj@2 | tokens | trunc | entropy |"
             in proc.stdout)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from fixtures import previous_run, snapshot
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = REPO / "data" / "tiny_model"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
        "TOKENIZERS_PARALLELISM": "false"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 SCRIPT = REPO / "bench" / "gpu_run.py"
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-import test_reliability as reliability
+import test_checkpoint as reliability
 import torch
 from test_epochs import CPU, epochs_cfg
 from test_scale import synthetic_batch, tiny_qwen3

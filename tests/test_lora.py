@@ -16,7 +16,7 @@ import pytest
 import torch
 from fixtures import torchrun, worker_results, write_result
 from safetensors.torch import load_file
-from test_reliability import ENV, STEPS, TINY, assert_same_run, metrics, run_train, wait_for_step
+from test_checkpoint import ENV, STEPS, TINY, assert_same_run, metrics, run_train, wait_for_step
 from test_scale import LOSS_AGGS, one_update, shard, synthetic_batch, update_cfg
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -30,7 +30,7 @@ from support.models import load_policy
 from support.parallel import hf_module
 from support.prompts import prompt_ids
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = REPO / "data" / "tiny_model"
 LORA = ["--model.lora.rank=8", "--optim.lr=2e-3"]
 CPU = torch.device("cpu")

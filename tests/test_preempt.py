@@ -27,7 +27,7 @@ import torch
 
 from support.checkpoint import checkpoints
 from support.util import kill_tree
-from tests.test_reliability import ENV, MODEL, REPO, TIMING, needs_model
+from tests.test_checkpoint import ENV, MODEL, REPO, TIMING, needs_model
 
 STEPS = 6
 TINY = ["--config", "configs/tiny.yaml", f"--model.path={MODEL}", "--rollout.batch_size=16",

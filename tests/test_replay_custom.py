@@ -8,14 +8,13 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from test_replay import MAX_LEN, PAD, push, rejected, replayed, rollouts
 
 from replay import STRATEGIES, ReplayConfig, make_replay
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 
 
 @pytest.fixture

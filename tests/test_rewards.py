@@ -18,7 +18,7 @@ import pytest
 
 import rewards as R
 
-ROOT = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 DATA = Path(os.environ.get("SHARED_DATA_DIR",
                            Path(__file__).resolve().parents[2] / "shared" / "data"))
 
@@ -426,7 +426,7 @@ def test_batch_budget_bounds_a_batch_of_slow_answers():
 def test_import_is_cheap_and_pool_closes_at_exit():
     code = ("import sys, rewards; assert 'sympy' not in sys.modules and rewards._pool is None; "
             "rewards.verify('\\\\boxed{x+1}', '1+x'); print(*[p.pid for p in rewards._pool.procs])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     pids = [int(p) for p in out.stdout.split()]

@@ -27,7 +27,7 @@ from support.prompts import end_ids, end_of_turn, prompt_ids
 sys.path.insert(0, str(Path(__file__).parent))
 import fixtures
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = REPO / "data" / "tiny_model"
 
 

@@ -34,7 +34,7 @@ from support.models import load_policy
 from support.prompts import end_ids, prompt_ids
 from support.util import kill_tree, run_capped
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 LOSS_AGGS = ("dapo", "grpo", "dr_grpo")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from replay import STRATEGIES
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = REPO / "data" / "tiny_model"
 pytestmark = pytest.mark.skipif(
     not (MODEL / "config.json").exists(),

@@ -18,7 +18,7 @@ import rollout
 import train
 from rollout import Rollouts
 from methods.stages import StageConfig, Stages
-from tests.test_reliability import ENV, MODEL, REPO, needs_model, wait_for_step, weights
+from tests.test_checkpoint import ENV, MODEL, REPO, needs_model, wait_for_step, weights
 
 STEPS = 8
 SMALL = ["--config", "configs/tiny.yaml", f"--model.path={MODEL}", "--rollout.batch_size=32",

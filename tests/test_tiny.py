@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +12,7 @@ from data.loaders import load_problems
 from data.tiny_task import make_split
 from rewards import verify
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = REPO / "data" / "tiny_model"
 
 

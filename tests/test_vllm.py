@@ -34,7 +34,7 @@ from support.prompts import end_ids, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fixtures
-from test_reliability import ENV, STEPS, TINY, assert_same_run, metrics, run_train, wait_for_step
+from test_checkpoint import ENV, STEPS, TINY, assert_same_run, metrics, run_train, wait_for_step
 
 if not vllm_engine.available():
     if os.environ.get("CI") == "true":
@@ -43,7 +43,7 @@ if not vllm_engine.available():
         "vLLM is not installed (pip install -r requirements-vllm.txt)", allow_module_level=True
     )
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = REPO / "data" / "tiny_model"
 SMALL_KV = 1 / 16  # GiB of KV cache per engine: plenty for these models, little memory
 
@@ -377,7 +377,7 @@ def test_vllm_rlep_phase_one_and_dynamic_sampling(tmp_path):
 
 
 def test_vllm_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):
-    """tests/test_reliability.py's resume test with rollout.engine=vllm: an uninterrupted run, then
+    """tests/test_checkpoint.py's resume test with rollout.engine=vllm: an uninterrupted run, then
     one killed after step 3 and resumed from its step-2 checkpoint; metrics and final weights are
     identical."""
     engine = ("--rollout.engine=vllm", "--rollout.vllm_kv_cache_gb=0.0625")

@@ -1,10 +1,11 @@
-"""Reliability: exact resume after SIGKILL and SIGTERM, kills and full disks inside checkpoint
-writes, damaged files, --overwrite that never removes what a run did not write, one-line errors with
-exit code 2 and nothing lost, locks, skipped updates, safe loading. The resume tests run train.py in
-subprocesses on the embedded tiny model.
+"""The run's checkpoints and folder (support/checkpoint.py, rundir.py, integrity.py): exact resume
+after SIGKILL and SIGTERM, kills and full disks inside checkpoint writes, damaged files, --overwrite
+that never removes what a run did not write, one-line errors with exit code 2 and nothing lost,
+locks, skipped updates, safe loading. The resume tests run train.py in subprocesses on the
+embedded tiny model.
 
-  pytest tests/test_reliability.py -q                        # ~3 min on 2 idle CPU cores
-  TINY_MODEL=/tmp/model pytest tests/test_reliability.py -q  # another model folder
+  pytest tests/test_checkpoint.py -q                        # ~3 min on 2 idle CPU cores
+  TINY_MODEL=/tmp/model pytest tests/test_checkpoint.py -q  # another model folder
                                                                (default data/tiny_model)
 
 "Bit-identical" compares every logged field except timing (`time/*`, `wall_seconds`,
@@ -39,7 +40,7 @@ from support import checkpoint
 from support.models import load_pretrained, save_model
 from support.util import oneline, rng_state, set_rng_state
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = Path(os.environ.get("TINY_MODEL", REPO / "data" / "tiny_model"))
 needs_model = pytest.mark.skipif(
     not (MODEL / "config.json").is_file(),

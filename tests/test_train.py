@@ -1,5 +1,5 @@
-"""Tests through the real training path (issue #40): each one fails under one regression, made by
-hand, that the rest of the suite let through. Its docstring names the regression it guards.
+"""Tests of train.py through its real path (issue #40): each one fails under one regression, made
+by hand, that the rest of the suite let through. Its docstring names the regression it guards.
 
   a. train.py computes group advantages before RLEP's stored rows join their groups
   c. behaviour log-probs not renormalised after the top-k / top-p cut
@@ -30,7 +30,7 @@ try:  # the chunked output layer moves from grpo.py to support/logprobs.py
 except ImportError:
     import grpo as head
 
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = REPO / "data" / "tiny_model"
 needs_model = pytest.mark.skipif(not (MODEL / "config.json").is_file(),
                                  reason="data/tiny_model not built")
