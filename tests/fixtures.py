@@ -199,6 +199,16 @@ def torchrun(*args: str, n: int = 2, timeout: int = 400) -> subprocess.Completed
     return subprocess.CompletedProcess(cmd, code, out, err)
 
 
+F32_EPS = torch.finfo(torch.float32).eps  # one float32 rounding step, relative
+
+
+def f32_tol(magnitude: float, terms: int = 1, steps: float = 2.0) -> float:
+    """How far two float32 results that sum the same `terms` numbers in different orders (chunks,
+    kernels, micro-batches) may differ: `steps` rounding steps at the sum's `magnitude`, grown as
+    √terms (rounding errors add like a random walk). Derived, not measured on one machine."""
+    return steps * F32_EPS * float(magnitude) * float(terms) ** 0.5
+
+
 def write_result(out: str | Path, result: dict) -> None:
     """Under torchrun: this rank's result, read back by `worker_results`."""
     Path(f"{out}.rank{dist.get_rank()}").write_text(json.dumps(result))
