@@ -160,7 +160,7 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
             policy=policy, tokenizer=tokenizer, ref=ref, compute=compute, optimizer=optimizer,
             replay=replay, prompts=prompts, golds=[p.answer for p in problems],
             eval_prompts=eval_prompts, eval_golds=[p.answer for p in eval_problems], stop=stop,
-            settings=update_settings(cfg), notes=notes)
+            settings=update_settings(cfg), notes=notes, progress=checkpoint.new_progress(problems))
     new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     longest = max(map(len, prompts + eval_prompts)) + new_tokens
     r.sampler = make_sampler(cfg.rollout.engine, model=model, tokenizer=tokenizer, stop=stop,

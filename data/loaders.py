@@ -16,6 +16,7 @@ normalised here: equivalence is the verifier's job.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import numbers
@@ -99,6 +100,15 @@ def load_task(data, eval_n: int) -> tuple[list[Problem], list[Problem]]:
     for spec in data.eval.split(","):
         evals += load_problems(spec, data_dir=folder, limit=eval_n or None, tiny=data.tiny)
     return train, evals
+
+
+def problems_digest(problems: list[Problem]) -> str:
+    """sha256 of the training problems in their order (question, gold answer, system turn): a file
+    rewritten in place with as many rows is told apart from the one a checkpoint trained on."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(json.dumps([p.problem, p.answer, p.system]).encode() + b"\n")
+    return h.hexdigest()
 
 
 def prompt_order(n: int, position: int, count: int, seed: int) -> list[int]:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.checkpoint import state_dict as dcp
 
+from data.loaders import problems_digest
 from support import integrity, replay_state
 from support.models import save_model
 from support.parallel import MAX, all_ranks, rank_and_world
@@ -49,9 +50,11 @@ class CheckpointConfig:
                 "keep_last": (self.keep_last >= 1, "≥ 1")}
 
 
-def new_progress() -> dict:
-    """A run's progress at its start: what train.py counts, saved in every checkpoint."""
-    return {"step": 0, "data_pos": 0, "wall": 0.0, "wandb_id": None,
+def new_progress(problems: list | None = None) -> dict:
+    """A run's progress at its start: what train.py counts, saved in every checkpoint (with the
+    sha256 of the training `problems`, which --resume compares)."""
+    data = None if problems is None else problems_digest(problems)
+    return {"data_sha256": data, "step": 0, "data_pos": 0, "wall": 0.0, "wandb_id": None,
             "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0, "trained_rows": 0,
             "fwd_bwd_tokens": 0, "no_grad_tokens": 0,
             "versions": [],  # the library versions each start and resume ran on, once each
@@ -223,6 +226,11 @@ def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict
     if refused:
         raise RunError(f"--resume: {', '.join(refused)} differ from the checkpoint's "
                        "and change what its state means")
+    data = state["run"].get("data_sha256")  # (None: a checkpoint of older code)
+    if data is not None and data != progress.get("data_sha256"):
+        raise RunError(f"--resume: the training data ({cfg.data.train}) is not what checkpoint "
+                       f"{ck.name} was trained on (the problems' sha256 differ): restore the "
+                       "file, or start a new run (another out_dir, or --overwrite)")
     if cfg.max_steps < step:
         raise RunError(f"--resume: max_steps ({cfg.max_steps}) is below the checkpoint's step "
                        f"({step})")

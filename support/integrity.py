@@ -100,6 +100,8 @@ def state_fault(state, ck: Path) -> str | None:
                ("run.skipped", skipped, counts, "a mapping of integers ≥ 0")]
     for key in ("config", "eval_initial", "eval_last"):
         fields.append((f"run.{key}", run.get(key), isinstance(run.get(key), dict), "a mapping"))
+    data = run.get("data_sha256")
+    fields.append(("run.data_sha256", data, data is None or isinstance(data, str), "none or text"))
     row = run.get("pending_row")
     fields.append(("run.pending_row", row, row is None or isinstance(row, dict), "none or a row"))
     for key, value, ok, rule in fields:

@@ -89,3 +89,23 @@ def test_a_problem_given_twice_with_one_gold_trains(tmp_path):
     r = run("train.py", *TINY, f"--out_dir={tmp_path / 'run'}", f"--data.train={f}",
             "--max_steps=1")
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_training_file_rewritten_in_place_is_refused_at_resume(tmp_path):
+    """The checkpoint records the training problems' sha256: the same path with as many rows but
+    other problems is refused at --resume (one line naming the file and what to do); the file put
+    back resumes."""
+    f, out = problems_file(tmp_path, GOOD), tmp_path / "run"
+    r = run("train.py", *TINY, f"--out_dir={out}", f"--data.train={f}", "--max_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    original = f.read_bytes()
+    problems_file(tmp_path, [{"problem": f"{i}*{i}", "answer": str(i * i)} for i in range(1, 9)])
+    before = snapshot(out)
+    refused(run("train.py", *TINY, f"--out_dir={out}", f"--data.train={f}", "--max_steps=4",
+                "--resume"), f"the training data ({f})", "step_000002", "sha256",
+            "restore the file, or start a new run")
+    assert snapshot(out) == before
+    f.write_bytes(original)
+    r = run("train.py", *TINY, f"--out_dir={out}", f"--data.train={f}", "--max_steps=4",
+            "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
