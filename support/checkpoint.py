@@ -119,6 +119,10 @@ def failure(e: BaseException, out: Path, step: int) -> RunError | None:
 # ------------------------------------------------------------------------------- checkpoints
 
 
+class OlderLayout(RunError):
+    """A checkpoint of older code, refused as such (not as damaged)."""
+
+
 def checkpoints(out: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     return sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir())
@@ -170,19 +174,27 @@ def load_optimizer(ck: Path, model, optimizer) -> None:
         raise RunError(f"checkpoint {ck.name}: optimizer.pt is damaged ({error or 'on rank 0'})")
     options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
     dcp.set_optimizer_state_dict(model, optimizer, optim_state_dict=full, options=options)
+    for p, kept in optimizer.state.items():  # a state of another shape fails at the next step
+        wrong = [k for k, v in kept.items()
+                 if torch.is_tensor(v) and v.dim() and v.shape != p.shape]
+        if wrong:
+            raise RunError(f"checkpoint {ck.name}: optimizer.pt's {wrong[0]} is of shape "
+                           f"{tuple(kept[wrong[0]].shape)}, its parameter {tuple(p.shape)}")
 
 
 def read_state(ck: Path, rank: int) -> dict:
     """This rank's trainer state (rank 0's for a new rank), the folder checked whole first (its
     manifest), then the state's fields and the weights' headers."""
     fault = integrity.manifest_fault(ck)  # before a byte of the checkpoint is read
-    if fault is None:
+    older = integrity.older_layout(ck)
+    if fault is None and older is None:
         try:
             state = torch.load(ck / "state_rank0.pt", weights_only=True)
             world = state.get("world") if isinstance(state, dict) else None
             if type(world) is int and 0 < rank < world:
                 state = torch.load(ck / f"state_rank{rank}.pt", weights_only=True)
-            fault = integrity.state_fault(state, ck)
+            older = integrity.older_layout(ck, state)
+            fault = older or integrity.state_fault(state, ck)
             for f in sorted(ck.glob("*.safetensors")) or [ck / "model.safetensors"]:
                 with safe_open(f, "pt") as st:  # a truncated file fails: its header promises more
                     list(st.keys())
@@ -191,6 +203,10 @@ def read_state(ck: Path, rank: int) -> dict:
                            "values; refusing to unpickle them") from None
         except Exception as e:  # missing, truncated, empty or foreign: all "damaged"
             fault = f"{type(e).__name__}: {oneline(e, 120)}"
+    if older:
+        raise OlderLayout(f"checkpoint {ck.name} is of an older layout ({older}), which this code "
+                          f"does not resume: start a new run from its weights (--model.path={ck}) "
+                          "in another out_dir")
     if fault:
         raise RunError(f"checkpoint {ck.name} is damaged ({fault})")
     return state
@@ -205,6 +221,8 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
     ck = out / "checkpoints" / which if which else found[-1]
     try:
         return ck, read_state(ck, rank)
+    except OlderLayout:  # (the older ones are of it too)
+        raise
     except RunError as e:
         older = [p.name for p in found if p.name < ck.name and not integrity.manifest_fault(p)]
         if not older:

@@ -19,6 +19,7 @@ PROBE = "What is 12 + 30? Put the answer in \\boxed{42}."  # text every math tok
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 COUNTS = ("step", "data_pos", "generated_tokens", "source_tokens", "trained_tokens",
           "trained_rows")
+LARGEST = 1 << 53  # a count beyond any run (and beyond a float's integers)
 
 
 def refuse(fault: str | None) -> None:
@@ -81,6 +82,28 @@ def _finite(v) -> bool:
     return type(v) in (int, float) and math.isfinite(v) and v >= 0
 
 
+RUN_FIELDS = (*COUNTS, "wall", "skipped", "config", "eval_initial", "eval_last", "pending_row")
+
+
+def older_layout(ck: Path, state=None) -> str | None:
+    """What marks checkpoint `ck` (without a manifest) as written by older code, in a layout this
+    code does not resume: trainer_state.pt alone, the optimizer state inside the trainer state, or
+    fields every state of this code holds absent (None: this layout, whole or damaged)."""
+    if (ck / MANIFEST).exists():
+        return None
+    if state is None:
+        old = (ck / "trainer_state.pt").is_file() and not (ck / "state_rank0.pt").exists()
+        return "trainer_state.pt, no state_rank0.pt" if old else None
+    if not isinstance(state, dict):
+        return None
+    if "optimizer" in state and not (ck / "optimizer.pt").is_file():
+        return "the optimizer state inside state_rank0.pt, no optimizer.pt"
+    run = state.get("run") if isinstance(state.get("run"), dict) else {}
+    missing = [k for k in ("world", "rng", "replay", "run") if k not in state]
+    missing += [f"run.{k}" for k in RUN_FIELDS if run and k not in run]
+    return f"its trainer state has no {', '.join(missing[:3])}" if missing else None
+
+
 def state_fault(state, ck: Path) -> str | None:
     """Why a trainer state (state_rank{r}.pt of checkpoint `ck`) cannot be resumed: a field missing,
     of another type or out of its range (None: it can). A checkpoint without a manifest must hold
@@ -107,6 +130,13 @@ def state_fault(state, ck: Path) -> str | None:
     for key, value, ok, rule in fields:
         if not ok:
             return f"trainer state: {key} must be {rule}, got {repr(value)[:40]}"
+    big = [(f"run.{k}", run[k]) for k in COUNTS if run[k] >= LARGEST] + [("world", world)] * (
+        world > 1 << 16)
+    if big:
+        return f"trainer state: {big[0][0]} is {repr(big[0][1])[:40]}, beyond any run"
+    lost = [i for i in range(world) if not (ck / f"state_rank{i}.pt").is_file()]
+    if lost:
+        return f"state_rank{lost[0]}.pt is missing, and its state says {world} processes saved it"
     if ck.name != f"step_{run['step']:06d}":
         return f"its trainer state is of step {run['step']}"
     applied = run["trained_tokens"] > 0 and not skipped.get("nonfinite")  # an update was applied

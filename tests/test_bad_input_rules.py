@@ -206,6 +206,53 @@ def test_resume_refuses_damaged_trainer_state_fields(trained, tmp_path, capsys, 
     assert "checkpoint step_000004 is damaged (" in line and words in line
 
 
+def without_manifest(ck: Path, change) -> None:
+    """A checkpoint as older code left it (no manifest), its trainer state changed by `change`."""
+    (ck / "manifest.json").unlink()
+    state = torch.load(ck / "state_rank0.pt", weights_only=True)
+    change(state, ck)
+    if (ck / "state_rank0.pt").exists():  # (not renamed to the oldest layout's name)
+        torch.save(state, ck / "state_rank0.pt")
+
+
+def other_shape(state, ck: Path) -> None:
+    opt = torch.load(ck / "optimizer.pt", weights_only=True)
+    first = opt["state"][next(iter(opt["state"]))]
+    first["exp_avg"] = torch.zeros(3, 5)
+    torch.save(opt, ck / "optimizer.pt")
+
+
+def optimizer_inside(state, ck: Path) -> None:
+    state["optimizer"] = torch.load(ck / "optimizer.pt", weights_only=True)
+    (ck / "optimizer.pt").unlink()
+
+
+NO_MANIFEST = [  # (change, what the line says): one line each, never a traceback
+    (lambda s, ck: s["run"].update(data_pos=10**30), "run.data_pos is 1000000000000000000000"),
+    (lambda s, ck: s.update(world=2), "state_rank1.pt is missing, and its state says 2 processes"),
+    (lambda s, ck: s.update(world=10**30), "world is 1000000000000000000000"),
+    (other_shape, "optimizer.pt's exp_avg is of shape (3, 5)"),
+    (optimizer_inside, "is of an older layout (the optimizer state inside state_rank0.pt"),
+    (lambda s, ck: s["run"].pop("trained_rows"), "older layout (its trainer state has no run.tr"),
+    (lambda s, ck: (ck / "state_rank0.pt").rename(ck / "trainer_state.pt"),
+     "older layout (trainer_state.pt, no state_rank0.pt)"),
+]
+
+
+@needs_model
+@pytest.mark.parametrize("change, words", NO_MANIFEST, ids=[w[:24] for _, w in NO_MANIFEST])
+def test_resume_without_manifest_is_one_line(trained, tmp_path, capsys, change, words):
+    """Checkpoints of older code (no manifest): a state out of any run's range, a rank's file
+    missing, an optimizer state of another shape are one line naming the checkpoint; an older
+    layout is called that (with what to do), not damaged, and no older checkpoint is offered."""
+    out = copy_run(trained, tmp_path)
+    without_manifest(out / "checkpoints" / "step_000004", change)
+    line = resumed(capsys, out)
+    assert "checkpoint step_000004" in line and words in line
+    if "older layout" in words:
+        assert "damaged" not in line and "--model.path=" in line and "--resume=" not in line
+
+
 @needs_model
 def test_resume_refuses_damaged_rng_streams(trained, tmp_path, capsys):
     out = copy_run(trained, tmp_path)
