@@ -40,7 +40,7 @@ from support import checkpoint, parallel
 from support.checks import budget
 from support.models import load_run_model
 from support.parallel import MIN, all_ranks
-from support.preempt import STOP, Interrupted, generating, rewind
+from support.preempt import STOP, Interrupted, generating, rewind, setting_up, stopped_in_setup
 from methods.greso import PromptSkip
 from support.prompts import chat_prompts, end_ids
 from support.rundir import RunFolder
@@ -116,7 +116,7 @@ def setup(cfg: Config, resume: str | None, overwrite: bool) -> Run:
     """Lock and check out_dir, then build the run in it: a failure leaves out_dir as it was."""
     rank, world = parallel.init()
     folder = RunFolder(cfg.out_dir, rank)
-    with folder.setting_up(resume, overwrite):  # of two runs started on one folder, one is refused
+    with folder.setting_up(resume, overwrite), setting_up():  # (one run of two on one folder)
         r = build(cfg, resume, folder.out, rank, world)
     r.folder = folder
     return r
@@ -190,8 +190,11 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
 def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
     """Set up, run the loop, finish; returns the exit code (0, or 143 / 130 after SIGTERM / SIGINT).
     A failed write (a full disk) is one line naming the checkpoint to resume from."""
-    STOP.install()  # a signal is a request from here on (during set-up too)
-    r = setup(cfg, resume, overwrite)
+    STOP.install()  # a signal ends set-up at once, and is a request to the loop after it
+    try:
+        r = setup(cfg, resume, overwrite)
+    except Interrupted:
+        return stopped_in_setup()
     try:
         r.folder.claim(overwrite)  # everything loaded and checked: the run starts writing
         if library_versions() not in r.progress["versions"]:  # a resume on other versions: both

@@ -3,6 +3,7 @@ way that is not a training update (a generation, an eval, dynamic-sampling round
 its next token or problem, and the caller goes back to its last safe point.
 
   STOP.install()   once per process: the signal handlers
+  setting_up()     around set-up, which writes nothing: a signal ends it at once
   should_stop()    whether a stop was asked for; cheap enough to call after every token.
                    rollout.generate calls it through `StopRequested`, a transformers
                    StoppingCriteria; another generation engine calls the same function
@@ -54,6 +55,7 @@ class Stop:
 
     def __init__(self):
         self.signum = 0
+        self.setting_up = False  # set-up, before the run writes anything: a signal ends it at once
         self.at = 0.0  # time.monotonic() of the first signal
         self.posted = False  # the signal is in the store (or came from it)
         self.looked = 0.0  # time.monotonic() of the last look into the store
@@ -71,6 +73,9 @@ class Stop:
         if not self.signum:
             self.signum = signum
             self.at = time.monotonic()
+        if self.setting_up:  # nothing written yet: out_dir is put back as it was (RunFolder)
+            self.setting_up = False  # (a second signal while it is put back only records)
+            raise Interrupted
 
     def requested(self) -> bool:
         """Whether this process, or (looked up once a second) another rank, was asked to stop."""
@@ -102,6 +107,28 @@ class Stop:
 
 STOP = Stop()
 should_stop = STOP.requested
+
+
+@contextmanager
+def setting_up():
+    """Set-up, which loads and checks but writes nothing: SIGTERM or SIGINT ends it at once with
+    Interrupted (a model load can take minutes), where afterwards a signal is a request that the
+    loop honours at its next safe point. On a stop, RunFolder.setting_up puts out_dir back."""
+    if STOP.signum:  # a signal between install() and here
+        raise Interrupted
+    STOP.setting_up = True
+    try:
+        yield
+    finally:
+        STOP.setting_up = False
+
+
+def stopped_in_setup() -> int:
+    """The one line and the exit code (128 + the signal) of a stop during set-up."""
+    name = signal.Signals(STOP.signum).name
+    print(f"stopped by {name} during set-up; nothing was written (out_dir is as it was)",
+          file=sys.stderr)
+    return 128 + STOP.signum
 
 
 def _store():

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from support.checkpoint import checkpoints
+from fixtures import snapshot
 from support.util import kill_tree
 from tests.test_checkpoint import ENV, MODEL, REPO, TIMING, needs_model
 
@@ -366,3 +367,54 @@ def test_torchrun_sigterm_to_the_launcher_during_a_long_generation_stops_every_r
     assert launch.stderr().count(f"stopped by SIGTERM after step {step}") == 2
     run(out, "--resume", *DYNAMIC, torchrun=True)
     assert_same_run(torchrun_reference, out)
+
+
+def start_and_signal_in_set_up(out: Path, sig: int, *args: str) -> tuple[int, str, float]:
+    """train.py on `out`, signalled as soon as its set-up holds out_dir's lock (.lock names its
+    pid): (exit code, stderr, seconds from the signal to the exit)."""
+    cmd = [sys.executable, "train.py", *TINY, f"--out_dir={out}", "--max_steps=4", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        lock = out / ".lock"
+        if lock.is_file() and lock.read_text().strip() == str(proc.pid):
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before its set-up could be signalled"
+    proc.send_signal(sig)
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        raise
+    return proc.returncode, err, time.monotonic() - t0
+
+
+@needs_model
+@pytest.mark.parametrize("how,sig", [("new", signal.SIGTERM), ("overwrite", signal.SIGTERM),
+                                     ("resume", signal.SIGINT)])
+def test_a_signal_during_set_up_ends_it_at_once_and_leaves_out_dir_as_it_was(tmp_path, how, sig):
+    """SIGTERM or SIGINT while set-up loads (data, model, a checkpoint) ends the process within
+    seconds, with one line and 128 + the signal: out_dir is as it was (a new run's folder gone; an
+    --overwrite's old run in place, not moved aside; a --resume's config.yaml and metrics as they
+    were), where set-up used to run to its end and the loop then stopped."""
+    out = tmp_path / "run"
+    args = []
+    if how != "new":
+        done = subprocess.run([sys.executable, "train.py", *TINY, f"--out_dir={out}",
+                               "--max_steps=2", "--checkpoint.every=1"], cwd=REPO, env=ENV,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        args = [f"--{how}"]
+    before = snapshot(out) if out.exists() else None
+    code, err, took = start_and_signal_in_set_up(out, sig, *args)
+    assert code == 128 + sig, err[-2000:]
+    assert "during set-up" in err and "Traceback" not in err, err[-2000:]
+    assert took < 10, f"the stop took {took:.1f} s"
+    if before is None:
+        assert not out.exists(), sorted(out.rglob("*"))
+    else:
+        assert snapshot(out) == before
+        assert not Path(f"{out}.overwritten").exists()
