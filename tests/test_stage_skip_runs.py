@@ -133,3 +133,20 @@ def test_stage_unsolved_prompt_takes_its_stored_success_off_policy():
     assert int(taken.group) == 11 and not bool(taken.onpolicy.any())
     assert torch.equal(taken.behav_logp[0, 2:], torch.tensor([-0.5, -0.5]))
     assert st.last["stages/stored_taken"] == 1.0
+
+
+def test_stage_take_only_all_wrong_groups_whose_prompt_has_a_stored_success():
+    """Stages.take gives a stored success only to a group with no correct row whose prompt has
+    one, into that group: a mixed group (its correct row first or last), an all-right group and
+    an all-wrong group of a prompt with nothing stored take nothing."""
+    st = Stages(StageConfig(first=2), pad_id=0)
+    st.keep(Rollouts.cat([rows([p], [True], group=0, step=1) for p in (7, 8, 9, 10, 11)], 0))
+    fresh = Rollouts.cat([rows([7], [True, False], 20), rows([8], [False, False], 21),
+                          rows([9], [False, True], 22), rows([10], [True, True], 23),
+                          rows([5], [False, False], 24), rows([11], [False, False], 25)], 0)
+    taken = st.take(fresh)
+    assert taken.prompt_idx.tolist() == [8, 11]
+    assert taken.group.tolist() == [21, 25]
+    assert bool(taken.correct.all() and taken.replayed.all()) and not bool(taken.onpolicy.any())
+    assert taken.born.tolist() == [1, 1]
+    assert len(st.take(rows([7], [True, False], 20))) == 0
