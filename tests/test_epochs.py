@@ -295,6 +295,29 @@ def test_gate_crossing_shows_in_the_run_metrics(tmp_path):
     assert all(r["optim/lm_head_grad_norm"] > 0 for r in rows)
 
 
+@reliability.needs_model
+@pytest.mark.parametrize("args,passes", [
+    (("--optim.epochs=2", "--optim.minibatches=2"), 2),
+    (("--optim.epochs=3", "--optim.minibatches=2", "--optim.gate=1e-9"), 1)])
+def test_trained_rows_count_every_pass_and_mini_batch(tmp_path, monkeypatch, args, passes):
+    """Guards the count of trained rows (grpo update's `rows`, train.py's trained_rows, the
+    summary's rows_trained) with 2 mini-batches: each row with a gradient (advantage ≠ 0, not
+    masked) counts once per pass that applied, summed over the mini-batches; a gated pass adds
+    none. Counted here from the batches the update was given."""
+    real, want = grpo.update_policy, []
+
+    def counted(s, model, policy, optimizer, batch, *a, **k):
+        trained = ~batch.truncated if s.mask_truncated else torch.ones(len(batch), dtype=bool)
+        want.append(passes * int((trained & (batch.advantage != 0)).sum()))
+        return real(s, model, policy, optimizer, batch, *a, **k)
+
+    monkeypatch.setattr(grpo, "update_policy", counted)
+    rows = reliability.run_in_process(tmp_path / "run", *args, "--replay.strategy=none")
+    assert [r["optim/epochs_run"] for r in rows] == [passes] * 2 and all(want)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rows_trained"] == sum(want)
+
+
 # ------------------------------------------------------------------------------------- torchrun
 
 
