@@ -60,6 +60,8 @@ def test_skip_and_stages_resume_after_sigkill_is_bit_identical(tmp_path):
 
 @needs_model
 def test_stage_generated_tokens_equal_the_sum_of_generated_lengths(tmp_path, monkeypatch):
+    """Guards generated_tokens with staged rollouts: every stage's generated completions count,
+    the stored successes taken (from step 4 on, when prompts come round again) do not."""
     sampled = []
     real = rollout.generate
 
@@ -71,11 +73,12 @@ def test_stage_generated_tokens_equal_the_sum_of_generated_lengths(tmp_path, mon
     monkeypatch.setattr(rollout, "generate", counted)
     out = tmp_path / "run"
     args = [a for a in SMALL if not a.startswith("--max_steps")]
-    assert train.main([*args, "--max_steps=3", f"--out_dir={out}", "--eval.n=1"]) == 0
+    assert train.main([*args, "--max_steps=6", f"--out_dir={out}", "--eval.n=1"]) == 0
     m = lines(out)
-    evals = 2  # the evals at steps 0 and 3 sample too: one problem, k = 1 each
+    assert sum(r["stages/stored_taken"] for r in m) > 0, "nothing taken: the test proves less"
+    evals = 2  # the evals at steps 0 and 6 sample too: one problem, k = 1 each
     per_eval = sampled[:1] + sampled[-1:]
-    assert len(sampled) > 3 + evals, "stage 2 never ran"
+    assert len(sampled) > 6 + evals, "stage 2 never ran"
     assert m[-1]["generated_tokens"] == sum(sampled) - sum(per_eval)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rows_trained"] > 0 and summary["tokens_trained"] > 0
