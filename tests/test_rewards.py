@@ -452,6 +452,8 @@ PLAIN_DECIMALS = [
     ("3.0", "3", 1e-6, True), ("3.0000001", "3", 1e-6, True), ("3.01", "3", 1e-6, False),
     ("3.01", "3", 1e-2, True), (".5", "1/2", 1e-6, True), ("1000000.5", "1000001", 1e-6, True),
     ("0.1", "0", 1e-6, False),
+    ("1.5", "1", 0.4, True),  # within 0.4 of the larger (1.5), not of the smaller
+    ("1.0", "2", 0.5, True), ("1.0", "2.01", 0.5, False),  # the bound itself is within
 ]
 
 
