@@ -180,3 +180,26 @@ def test_support_imports_nothing_above_it_but_the_vllm_samplers_container():
         if imports:
             found[f.name] = imports
     assert found == {"vllm.py": {"rollout"}}
+
+
+def test_long_lines_counts_characters_not_bytes_and_allows_exactly_100(tmp_path):
+    """Guards budget.measure's long_lines at its edge: a line of 100 characters is fine, 101 is
+    not, whether ASCII or not (é, π: one character each, two bytes each), and a comment's
+    characters count as code's do."""
+    lines = ["x = '" + "a" * 94 + "'", "x = '" + "a" * 95 + "'", "x = '" + "a" * 96 + "'",
+             "x = '" + "é" * 95 + "'", "x = '" + "π" * 96 + "'", "# " + "a" * 98,
+             "# " + "a" * 99, "x = '" + "é" * 94 + "'", "# " + "π" * 98]
+    path = tmp_path / "m.py"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert [len(line) for line in lines] == [100, 101, 102, 101, 102, 100, 101, 100, 100]
+    assert budget.measure(path)["long_lines"] == [2, 3, 4, 5, 7]
+
+
+def test_every_file_check_covers_files_off_the_reading_path():
+    """Guards owned(), which picks the files the every-file line check reads: tests, bench
+    scripts, data/ and analysis/ are checked; only run folders and hidden or venv folders not."""
+    for name in ("tests/test_budget.py", "bench/budget.py", "data/x.py", "analysis/x.py",
+                 "configs/x.py", "support/x.py", "train.py"):
+        assert owned(Path(name)), name
+    for name in ("runs/a/b.py", ".venv/lib/x.py", "venv/lib/site-packages/x.py", "wandb/x.py"):
+        assert not owned(Path(name)), name

@@ -382,6 +382,27 @@ def test_damaged_latest_checkpoint_names_the_newest_intact_one(reference, tmp_pa
 
 
 @needs_model
+def test_damaged_checkpoints_name_the_newest_intact_not_the_oldest(tmp_path, capsys):
+    """Guards the suggestion after a damaged checkpoint with three kept (steps 2, 4, 6): step 6
+    damaged names step 4 (the newest intact, not the oldest); steps 6 and 4 damaged name step 2
+    (not the damaged step 4)."""
+    out = tmp_path / "run"
+    r = run_train(out, "--checkpoint.keep_last=3", steps=6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = out / "checkpoints"
+    assert sorted(p.name for p in ck.glob("step_*")) == [f"step_00000{n}" for n in (2, 4, 6)]
+    argv = TINY + [f"--out_dir={out}", "--max_steps=8", "--resume"]
+    damage(ck / "step_000006", "empty state")
+    assert train.main(argv) == 2
+    line = error_line(capsys)
+    assert "the newest intact one is step_000004: --resume=step_000004" in line, line
+    damage(ck / "step_000004", "truncated weights")
+    assert train.main(argv) == 2
+    line = error_line(capsys)
+    assert "the newest intact one is step_000002: --resume=step_000002" in line, line
+
+
+@needs_model
 def test_truncated_model_file_is_one_line(tmp_path, capsys):
     folder = tmp_path / "model"
     folder.mkdir()

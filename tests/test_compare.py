@@ -663,3 +663,36 @@ def test_compare_refuses_an_empty_label_or_folder(tmp_path):
     run = train_run(tmp_path, "none", 0, [0.2, 0.4, 0.5, 0.6])
     for arg in (f"={run}", f" ={run}", "x=", ""):
         assert f"{arg!r}: a run is [LABEL=]RUN_DIR" in compare_refused(tmp_path, run, arg)
+
+
+# Every field read_run checks, written out here (not read from compare_io.TYPES, so that a key
+# dropped from its list is noticed): (key, a wrong type's message, a value outside its domain)
+CHECKED = [("strategy", "a str", None), ("seed", "int", None), ("step", "int", None)] + [
+    (key, "a number", -1.0) for key in (
+        "eval_response_len_final", "tokens_generated_total", "eval_entropy_final",
+        "generated_tokens", "tokens/generated_total", "eval/response_len", "eval/entropy",
+        "tokens/trained", "tokens/fwd_bwd", "tokens/no_grad", "tokens_trained", "rows_trained")] + [
+    (key, "a number", 1.5) for key in ("eval_accuracy_initial", "eval/accuracy",
+                                       "eval/accuracy_se")]
+
+
+def test_read_run_checks_every_field_in_both_files(tmp_path):
+    """Guards compare_io.read_run/metric_rows/check_types field by field: each key of CHECKED,
+    of the wrong type or outside its domain, in summary.json or in one metrics.jsonl row, is one
+    ValueError naming the file and the key."""
+    from analysis import compare_io
+    run = train_run(tmp_path, "none", 0, [0.2, 0.4, 0.5])
+    summary, metrics = (run / "summary.json").read_text(), (run / "metrics.jsonl").read_text()
+    for key, want, outside in CHECKED:
+        for bad in ([1] if want == "a str" else ["x", True]) + [outside] * (outside is not None):
+            set_summary(run, **{key: bad})
+            with pytest.raises(ValueError, match=f"summary.json.*: {key} must be "):
+                compare_io.read_run(run)
+            (run / "summary.json").write_text(summary)
+            rows = [json.loads(line) for line in metrics.splitlines()]
+            rows[1][key] = bad
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            with pytest.raises(ValueError, match=f"metrics.jsonl:2: {key} must be "):
+                compare_io.read_run(run)
+            (run / "metrics.jsonl").write_text(metrics)
+        assert compare_io.read_run(run)[0]["seed"] == 0

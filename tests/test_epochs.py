@@ -249,6 +249,31 @@ def test_gate_forced_crossing_skips_the_update_and_stops_the_epochs():
     assert open_gate[0]["optim/gated"] == 0.0
 
 
+def test_gate_with_two_minibatches_refers_to_the_first_step_and_gates_passes_2_on(monkeypatch):
+    """Guards the gate with optim.minibatches = 2 and E = 3: the reference is pass 1's FIRST
+    optimizer step's lm_head norm (not its last), pass 1's own steps are never gated however
+    large, and a crossing in pass 2 drops that step and stops every remaining one."""
+    base, batch = tiny_qwen3(300), synthetic_batch(300)
+    real, seen = OutputGrad.pop_norm, []
+
+    def spy(self):  # the real norms, recorded
+        seen.append(real(self))
+        return seen[-1]
+
+    monkeypatch.setattr(OutputGrad, "pop_norm", spy)
+    cfg = epochs_cfg(3, minibatches=2, gate=1e6)
+    metrics, _, reasons, *_ = run_update(new_update, copy.deepcopy(base), batch, cfg)
+    assert reasons == [None] * 6 and len(seen) == 6 and seen[0] != seen[1]
+    ratio = max(seen[2:]) / seen[0]
+    assert metrics["optim/lm_head_grad_ratio_max"] == pytest.approx(ratio, rel=1e-6)
+    scripted = iter([1.0, 5.0, 3.0, 0.5, 0.5, 0.5])  # pass 1: 1, 5; pass 2: 3 > 2 × 1
+    monkeypatch.setattr(OutputGrad, "pop_norm", lambda self: real(self) * 0 + next(scripted))
+    cfg = epochs_cfg(3, minibatches=2, gate=2.0)
+    metrics, _, reasons, *_ = run_update(new_update, copy.deepcopy(base), batch, cfg)
+    assert reasons == [None, None, "gated"], "pass 1 never gated; the crossing stops the rest"
+    assert metrics["optim/gated"] == 1.0 and metrics["optim/lm_head_grad_ratio_max"] == 3.0
+
+
 def test_gate_validation_needs_epochs():
     from config import validate
 
@@ -268,6 +293,29 @@ def test_gate_crossing_shows_in_the_run_metrics(tmp_path):
     assert [r["optim/epochs_run"] for r in rows] == [1.0, 1.0]
     assert [r["skipped/gated"] for r in rows] == [1, 2]
     assert all(r["optim/lm_head_grad_norm"] > 0 for r in rows)
+
+
+@reliability.needs_model
+@pytest.mark.parametrize("args,passes", [
+    (("--optim.epochs=2", "--optim.minibatches=2"), 2),
+    (("--optim.epochs=3", "--optim.minibatches=2", "--optim.gate=1e-9"), 1)])
+def test_trained_rows_count_every_pass_and_mini_batch(tmp_path, monkeypatch, args, passes):
+    """Guards the count of trained rows (grpo update's `rows`, train.py's trained_rows, the
+    summary's rows_trained) with 2 mini-batches: each row with a gradient (advantage ≠ 0, not
+    masked) counts once per pass that applied, summed over the mini-batches; a gated pass adds
+    none. Counted here from the batches the update was given."""
+    real, want = grpo.update_policy, []
+
+    def counted(s, model, policy, optimizer, batch, *a, **k):
+        trained = ~batch.truncated if s.mask_truncated else torch.ones(len(batch), dtype=bool)
+        want.append(passes * int((trained & (batch.advantage != 0)).sum()))
+        return real(s, model, policy, optimizer, batch, *a, **k)
+
+    monkeypatch.setattr(grpo, "update_policy", counted)
+    rows = reliability.run_in_process(tmp_path / "run", *args, "--replay.strategy=none")
+    assert [r["optim/epochs_run"] for r in rows] == [passes] * 2 and all(want)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rows_trained"] == sum(want)
 
 
 # ------------------------------------------------------------------------------------- torchrun

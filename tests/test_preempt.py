@@ -275,6 +275,30 @@ def test_sigterm_during_a_long_generation_abandons_the_step_and_resume_is_bit_id
     assert_same_run(dynamic_reference, out)
 
 
+# Prompt skipping and staged rollouts on, 12 training prompts: steps 4 on revisit prompts, so the
+# skip rule has traces to act on (p_init 0.05: a prompt seen once is skipped with p = 0.95)
+SKIPPING = ["--skip.enabled=true", "--skip.p_init=0.05", "--stages.first=2",
+            "--data.tiny.train_size=12"]
+
+
+@needs_model
+def test_sigterm_during_a_generation_with_skipping_on_resumes_bit_identical(tmp_path):
+    """Guards the rewind of the skip state (its generator, its traces) and the staged rollouts'
+    stored successes: a stop during step 5's rollout, where GRESO has already drawn for its
+    candidates, puts them back as at the step's start, so the resumed run is the reference."""
+    ref = tmp_path / "ref"
+    run(ref, *SKIPPING)
+    assert sum(r["greso/skipped"] for r in metrics(ref)[3:]) > 0, "nothing skipped from step 4"
+    out = tmp_path / "run"
+    launch = Launch(tmp_path, out, *SKIPPING, slow={"phase": "rollout", "step": 4, "call": 1})
+    launch.wait_for_marker()
+    code, _ = launch.stop(name="generate call 1 of step 5, skipping on")
+    stopped(launch, code, 4)
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    run(out, "--resume", *SKIPPING)
+    assert_same_run(ref, out)
+
+
 @needs_model
 def test_sigterm_during_eval_py_writes_the_finished_problems_marked_partial(tmp_path):
     """eval.py, 400 problems × 64 samples: stopped once 3 are done, it exits 143 and writes the

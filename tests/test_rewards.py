@@ -442,3 +442,27 @@ def test_decimal_over_integer_never_raises():
             and not R.verify("\\boxed{.6/12}", "1/2"))
     assert R.score_batch(["\\boxed{.6/12\\%}", "\\boxed{-.5/0.25}"], ["1", "-2"],
                          R.RewardConfig())[1] == [False, True]
+
+
+# (answer, other, rel_tol, equal?): each checked both ways round, as prediction and as gold
+PLAIN_DECIMALS = [
+    ("0.5", "1/2", 1e-6, True), ("-0.5", "-1/2", 1e-6, True), ("0.5", "1/3", 1e-6, False),
+    ("0.333", "1/3", 2e-3, True), ("0.333", "1/3", 1e-6, False), ("0.3333333", "1/3", 1e-6, True),
+    ("2.50", "2.5", 1e-6, True), ("2.500", "5/2", 1e-6, True), ("2.50", "2.6", 1e-6, False),
+    ("3.0", "3", 1e-6, True), ("3.0000001", "3", 1e-6, True), ("3.01", "3", 1e-6, False),
+    ("3.01", "3", 1e-2, True), (".5", "1/2", 1e-6, True), ("1000000.5", "1000001", 1e-6, True),
+    ("0.1", "0", 1e-6, False),
+    ("1.5", "1", 0.4, True),  # within 0.4 of the larger (1.5), not of the smaller
+    ("1.0", "2", 0.5, True), ("1.0", "2.01", 0.5, False),  # the bound itself is within
+]
+
+
+@pytest.mark.parametrize("answer,other,tol,expected", PLAIN_DECIMALS)
+def test_plain_decimal_tolerance_both_ways(answer, other, tol, expected):
+    """Guards the plain-number fast path's tolerance (rewards._quick_equal): a decimal is equal to
+    a fraction or an integer within rel_tol of the larger, trailing zeros change nothing, and it
+    holds whichever side (prediction or gold) holds the decimal."""
+    assert R.verify(B % answer, other, rel_tol=tol) is expected
+    assert R.verify(B % other, answer, rel_tol=tol) is expected
+    assert R._quick_equal(answer, other, tol) is expected
+    assert R._quick_equal(other, answer, tol) is expected

@@ -60,6 +60,8 @@ def test_skip_and_stages_resume_after_sigkill_is_bit_identical(tmp_path):
 
 @needs_model
 def test_stage_generated_tokens_equal_the_sum_of_generated_lengths(tmp_path, monkeypatch):
+    """Guards generated_tokens with staged rollouts: every stage's generated completions count,
+    the stored successes taken (from step 4 on, when prompts come round again) do not."""
     sampled = []
     real = rollout.generate
 
@@ -71,11 +73,12 @@ def test_stage_generated_tokens_equal_the_sum_of_generated_lengths(tmp_path, mon
     monkeypatch.setattr(rollout, "generate", counted)
     out = tmp_path / "run"
     args = [a for a in SMALL if not a.startswith("--max_steps")]
-    assert train.main([*args, "--max_steps=3", f"--out_dir={out}", "--eval.n=1"]) == 0
+    assert train.main([*args, "--max_steps=6", f"--out_dir={out}", "--eval.n=1"]) == 0
     m = lines(out)
-    evals = 2  # the evals at steps 0 and 3 sample too: one problem, k = 1 each
+    assert sum(r["stages/stored_taken"] for r in m) > 0, "nothing taken: the test proves less"
+    evals = 2  # the evals at steps 0 and 6 sample too: one problem, k = 1 each
     per_eval = sampled[:1] + sampled[-1:]
-    assert len(sampled) > 3 + evals, "stage 2 never ran"
+    assert len(sampled) > 6 + evals, "stage 2 never ran"
     assert m[-1]["generated_tokens"] == sum(sampled) - sum(per_eval)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rows_trained"] > 0 and summary["tokens_trained"] > 0
@@ -133,3 +136,20 @@ def test_stage_unsolved_prompt_takes_its_stored_success_off_policy():
     assert int(taken.group) == 11 and not bool(taken.onpolicy.any())
     assert torch.equal(taken.behav_logp[0, 2:], torch.tensor([-0.5, -0.5]))
     assert st.last["stages/stored_taken"] == 1.0
+
+
+def test_stage_take_only_all_wrong_groups_whose_prompt_has_a_stored_success():
+    """Stages.take gives a stored success only to a group with no correct row whose prompt has
+    one, into that group: a mixed group (its correct row first or last), an all-right group and
+    an all-wrong group of a prompt with nothing stored take nothing."""
+    st = Stages(StageConfig(first=2), pad_id=0)
+    st.keep(Rollouts.cat([rows([p], [True], group=0, step=1) for p in (7, 8, 9, 10, 11)], 0))
+    fresh = Rollouts.cat([rows([7], [True, False], 20), rows([8], [False, False], 21),
+                          rows([9], [False, True], 22), rows([10], [True, True], 23),
+                          rows([5], [False, False], 24), rows([11], [False, False], 25)], 0)
+    taken = st.take(fresh)
+    assert taken.prompt_idx.tolist() == [8, 11]
+    assert taken.group.tolist() == [21, 25]
+    assert bool(taken.correct.all() and taken.replayed.all()) and not bool(taken.onpolicy.any())
+    assert taken.born.tolist() == [1, 1]
+    assert len(st.take(rows([7], [True, False], 20))) == 0
