@@ -481,7 +481,8 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate, look
         if gated:  # the lm_head gradient surged: stop reusing this batch
             break
     summary = _summary(steps, reasons, gaps, o.minibatches) | lookahead.end(steps)
-    cost = dict(zip(cost, all_ranks(torch.tensor(list(cost.values()), dtype=torch.float64))))
+    totals = all_ranks(torch.tensor(list(cost.values()), dtype=torch.float64))  # every rank's
+    cost = dict(zip(cost, totals.tolist()))
     return summary | cost, entropy, reasons, times
 
 

@@ -70,11 +70,13 @@ def test_dapo_chat_schema_and_named_training_file(tmp_path):
     )
     row = {"data_source": "math_dapo", "prompt": [{"role": "user", "content": wrapped}],
            "reward_model": {"ground_truth": "5", "style": "rule"}, "extra_info": {"index": "a1"}}
+    other = [{"role": "user", "content": wrapped.replace("2+3", "2-9")}]  # (one gold a problem)
     write_jsonl(tmp_path / "dapo17k_train.jsonl",
-                [row, row | {"reward_model": {"ground_truth": "-7", "style": "rule"}}])
+                [row, row | {"prompt": other,
+                             "reward_model": {"ground_truth": "-7", "style": "rule"}}])
     problems = load_problems("dapo17k", data_dir=str(tmp_path))
     assert problems[0] == Problem("What is 2+3?", "5", "dapo17k-0", "dapo17k")
-    assert problems[1].answer == "-7"
+    assert problems[1].problem == "What is 2-9?" and problems[1].answer == "-7"
 
 
 def test_dapo_flat_and_math_train_and_gsm8k_train(tmp_path):

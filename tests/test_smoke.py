@@ -71,7 +71,8 @@ def test_every_tiny_config_runs(tmp_path, name):
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     strategy = json.loads((out / "summary.json").read_text())["strategy"]
-    no_replay = ("dynamic", "epochs2", "epochs4", "gated", "lora", "skip", "stages")
+    no_replay = ("dynamic", "epochs2", "epochs4", "gated", "lora", "skip", "stages", "sfpo", "gxpo",
+                 "gxpo_nogate", "none_lr2x", "none_lr4x")
     composed = {"skip_aper": "aper", "skip_uniform": "uniform"}  # skipping with a replay strategy
     expected = composed.get(name, name)
     if name in no_replay:
