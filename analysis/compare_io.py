@@ -284,6 +284,8 @@ def ratio_cell(r: tuple[float, float, float]) -> str:
 
 
 def interval(bounds: tuple[float, float], scale: float = 1.0, fmt: str = ".2f") -> str:
+    if any(map(math.isnan, bounds)):  # one seed, or a resample without a defined value
+        return "undefined"
     return "–".join("∞" if math.isinf(x) else f"{scale * x:{fmt}}" for x in bounds)
 
 

@@ -107,14 +107,15 @@ def detectable(a: list[float], b: list[float], alpha: float = 0.05) -> float:
 
 def ratio_of_medians(pairs: list[tuple[float, float]]) -> float:
     """median(a) / median(b) over pairs (a, b) of values ≥ 0, inf where never reached: inf when
-    median(a) is (or both are), 0 when only median(b) is. median(b) = 0 (the baseline there from
-    its start): inf when median(a) > 0, NaN (no ratio is defined) when it is 0 too."""
+    median(a) is (or both are); NaN (no ratio is defined, never a misleading 0) when only
+    median(b) is. median(b) = 0 (the baseline there from its start): inf when median(a) > 0, NaN
+    when it is 0 too."""
     a = statistics.median([p[0] for p in pairs])
     b = statistics.median([p[1] for p in pairs])
     if math.isinf(a):
         return math.inf
     if math.isinf(b):
-        return 0.0
+        return math.nan
     if b == 0:
         return math.inf if a > 0 else math.nan
     return a / b

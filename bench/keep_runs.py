@@ -1,7 +1,7 @@
 """Keep what `eval.py --compare` reads of finished runs, small enough to commit: a comparison can
 then be recomputed from the repository, and extended by seeds run later on the same versions.
 
-  python bench/keep_runs.py runs/repro/none-s0 runs/repro/sfpo-s0 ... --out docs/runs/lookahead
+  python bench/keep_runs.py runs/repro/none-s0 runs/repro/sfpo-s0 ... --out docs/kept_runs/lookahead
 
 For each run folder it writes OUT/<name>/: config.yaml and summary.json as they are, and
 metrics.jsonl cut to its eval rows (and the last row) with the keys analysis/compare_io.py reads.
