@@ -40,7 +40,8 @@ from support import checkpoint, parallel
 from support.checks import budget
 from support.models import load_run_model
 from support.parallel import MIN, all_ranks
-from support.preempt import STOP, Interrupted, generating, rewind, setting_up, stopped_in_setup
+from support.preempt import (STOP, Interrupted, StoppedInSetup, generating, rewind, setting_up,
+                             stopped_in_setup)
 from methods.greso import PromptSkip
 from support.prompts import chat_prompts, end_ids
 from support.rundir import RunFolder
@@ -193,7 +194,7 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
     STOP.install()  # a signal ends set-up at once, and is a request to the loop after it
     try:
         r = setup(cfg, resume, overwrite)
-    except Interrupted:
+    except StoppedInSetup:
         return stopped_in_setup()
     try:
         r.folder.claim(overwrite)  # everything loaded and checked: the run starts writing

@@ -49,6 +49,11 @@ class Interrupted(Exception):
     """A stop abandoned the work under way; the caller goes back to its last safe point."""
 
 
+class StoppedInSetup(BaseException):
+    """A signal during set-up (`setting_up`). Not an Exception: no check of a file or a model that
+    catches errors broadly may take it for a fault of what it was reading."""
+
+
 class Stop:
     """This process's stop request: the signal number (0: none), set by the signal handler or by
     another rank's post."""
@@ -75,7 +80,7 @@ class Stop:
             self.at = time.monotonic()
         if self.setting_up:  # nothing written yet: out_dir is put back as it was (RunFolder)
             self.setting_up = False  # (a second signal while it is put back only records)
-            raise Interrupted
+            raise StoppedInSetup
 
     def requested(self) -> bool:
         """Whether this process, or (looked up once a second) another rank, was asked to stop."""
@@ -112,10 +117,10 @@ should_stop = STOP.requested
 @contextmanager
 def setting_up():
     """Set-up, which loads and checks but writes nothing: SIGTERM or SIGINT ends it at once with
-    Interrupted (a model load can take minutes), where afterwards a signal is a request that the
+    StoppedInSetup (a model load can take minutes), where afterwards a signal is a request that the
     loop honours at its next safe point. On a stop, RunFolder.setting_up puts out_dir back."""
     if STOP.signum:  # a signal between install() and here
-        raise Interrupted
+        raise StoppedInSetup
     STOP.setting_up = True
     try:
         yield

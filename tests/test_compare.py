@@ -328,7 +328,7 @@ def test_compare_on_synthetic_runs(tmp_path, capsys):
     lines = table.splitlines()
     assert "tokens to 55.0% ÷ none's" in lines[0] and lines[2].startswith("| none | 2 |")
     aper = next(ln for ln in lines if ln.startswith("| aper | 1 |"))
-    assert "| 44.0 (nan–nan) |  |  | never reached" in aper
+    assert "| 44.0 (undefined) |  |  | never reached" in aper
 
 
 def test_compare_arms_named_by_hand(tmp_path, capsys):
