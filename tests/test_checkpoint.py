@@ -80,6 +80,20 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
+
+def kill_after_step_then_resume(out: Path, args: tuple, step: int = 3):
+    """train.py (TINY, 6 steps, `args`) into `out`, SIGKILLed once `step` lines are logged, then
+    resumed with --resume: the resumed run's process (it must exit 0)."""
+    cmd = [sys.executable, "train.py", *TINY, f"--out_dir={out}", "--max_steps=6", *args]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, **quiet)
+    if wait_for_step(proc, out / "metrics.jsonl", step):
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before it could be killed"
+    r = run_train(out, "--resume", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
 def assert_same_run(a: Path, b: Path) -> None:
     ma, mb = metrics(a), metrics(b)
     # every step once: nothing duplicated, nothing lost

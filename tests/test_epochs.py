@@ -11,7 +11,6 @@ import copy
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -393,15 +392,7 @@ def test_epochs_2_sigkill_then_resume_is_bit_identical(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(ln) for ln in (ref / "metrics.jsonl").read_text().splitlines()]
     assert any(row["optim/epochs_run"] == 2.0 for row in rows), "the passes ran"
-    cmd = [sys.executable, "train.py", *reliability.TINY, f"--out_dir={out}", "--max_steps=6"]
-    cmd += args
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    proc = subprocess.Popen(cmd, cwd=reliability.REPO, env=reliability.ENV, **quiet)
-    if reliability.wait_for_step(proc, out / "metrics.jsonl", 3):
-        proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before it could be killed"
-    r = reliability.run_train(out, "--resume", *args)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = reliability.kill_after_step_then_resume(out, args)
     assert "resuming from" in r.stderr
     reliability.assert_same_run(ref, out)
 

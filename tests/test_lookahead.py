@@ -10,9 +10,6 @@ forwards ran, counted by a hook.
 
 import copy
 import json
-import signal
-import subprocess
-import sys
 
 import pytest
 import test_checkpoint as reliability
@@ -243,15 +240,7 @@ def test_lookahead_sigkill_inside_the_passes_then_resume_is_bit_identical(tmp_pa
     assert rows[0]["optim/epochs_run"] > 1, "the passes ran"
     active = [row["lookahead/active"] for row in rows]
     assert 1.0 in active[:4] and 0.0 in active[2:], f"the stop rule is in play: {active}"
-    cmd = [sys.executable, "train.py", *reliability.TINY, f"--out_dir={out}", "--max_steps=6"]
-    cmd += args
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    proc = subprocess.Popen(cmd, cwd=reliability.REPO, env=reliability.ENV, **quiet)
-    if reliability.wait_for_step(proc, out / "metrics.jsonl", 3):
-        proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before it could be killed"
-    r = reliability.run_train(out, "--resume", *args)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = reliability.kill_after_step_then_resume(out, args)
     assert "step_000002 (step 2)" in r.stderr, "resumed from the step-2 checkpoint"
     reliability.assert_same_run(ref, out)
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6
