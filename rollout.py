@@ -294,7 +294,7 @@ def _sample(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig,
     recorder = _SamplingDistribution(cfg)
     out = model.generate(**batch.to(device), generation_config=gen_cfg,
                          logits_processor=LogitsProcessorList([recorder]),
-                         **{cache_kwarg(model): kv_cache(model)},
+                         **{cache_kwarg(model): kv_cache(model, P + cfg.max_new_tokens)},
                          stopping_criteria=transformers.StoppingCriteriaList([StopRequested()]))
     if should_stop():  # cut short: the rows are incomplete
         raise Interrupted

@@ -2,7 +2,8 @@
 vocabulary) tensor. The output layer runs in chunks in at least float32 (`_ChunkedHead`, made the
 layer's forward by `use_chunked_head`), asked through the model's own forward (so DDP, FSDP and
 compile wrappers stay in charge), and `completion_logprobs` runs each distinct prompt once and
-shares its KV cache with its rows. Also the KV cache generation uses under autocast (`kv_cache`).
+shares its KV cache with its rows. Also the KV cache generation uses (`kv_cache`): written in place,
+in the autocast dtype under autocast.
 """
 
 from __future__ import annotations
@@ -221,24 +222,51 @@ def cache_kwarg(model) -> str:
     return "past_key_values"
 
 
-class _CastCache(transformers.DynamicCache):
-    """A KV cache that stores K and V in `dtype`. Under autocast the residual stream is float32, so
-    RoPE'd keys (before transformers 5.24 the values too) would be kept in float32; attention
+class _KVCache(transformers.DynamicCache):
+    """HF's DynamicCache written into storage allocated once for the call's longest sequence: each
+    layer's attention reads views of the filled part, the same K and V in the same shapes, so the
+    same numbers, without the copy of the whole cache that DynamicCache's concatenation makes at
+    every token. A layer that is not a plain DynamicLayer (a sliding window) keeps HF's update.
+    `dtype` (autocast): K and V are stored in it. Under autocast the residual stream is float32,
+    so RoPE'd keys (before transformers 5.24 the values too) would be kept in float32; attention
     casts them to the autocast dtype anyway, so storing them in it changes no number and halves
     the cache."""
 
-    def __init__(self, dtype: torch.dtype, **kwargs):
+    def __init__(self, length: int, dtype: torch.dtype | None, **kwargs):
         super().__init__(**kwargs)
+        self.length = length  # prompt + new tokens: the most any layer holds
         self.dtype = dtype
+        self.storage = {}  # layer index -> (keys, values), (B, H, length, D) each
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = key_states.to(self.dtype), value_states.to(self.dtype)
-        return super().update(keys, values, layer_idx, *args, **kwargs)
+        if self.dtype is not None:
+            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        held = 0
+        if layer_idx in self.storage:
+            held = self.layers[layer_idx].keys.shape[-2]
+        end = held + key_states.shape[-2]
+        if layer_idx not in self.storage or end > self.length:  # the first write: HF sets it up
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            layer = self.layers[layer_idx]
+            if type(layer) is not transformers.DynamicLayer or keys.shape[-2] > self.length:
+                return keys, values
+            storage = (keys.new_empty(*keys.shape[:2], self.length, keys.shape[3]),
+                       values.new_empty(*values.shape[:2], self.length, values.shape[3]))
+            self.storage[layer_idx] = storage
+            key_states, value_states, held, end = keys, values, 0, keys.shape[-2]
+        keys, values = self.storage[layer_idx]
+        layer = self.layers[layer_idx]
+        keys[:, :, held:end] = key_states
+        values[:, :, held:end] = value_states
+        layer.keys, layer.values = keys[:, :, :end], values[:, :, :end]
+        return layer.keys, layer.values
 
 
-def kv_cache(model) -> transformers.DynamicCache | None:
-    """The cache to generate with: K and V in the autocast dtype under autocast, else HF's."""
+def kv_cache(model, length: int) -> transformers.DynamicCache:
+    """The cache to generate with, for sequences of up to `length` tokens (`_KVCache`): K and V in
+    the autocast dtype under autocast, else as the model computes them."""
     device = next(model.parameters()).device.type
-    if not torch.is_autocast_enabled(device):
-        return None
-    return _CastCache(torch.get_autocast_dtype(device), config=model.config)
+    dtype = None
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    return _KVCache(length, dtype, config=model.config)

@@ -214,9 +214,10 @@ def write_result(out: str | Path, result: dict) -> None:
     Path(f"{out}.rank{dist.get_rank()}").write_text(json.dumps(result))
 
 
-def worker_results(script: str | Path, *args: str, out: Path) -> list[dict]:
-    """`script --worker *args out` under torchrun on two ranks: what each rank wrote."""
-    torchrun(str(script), "--worker", *args, str(out))
+def worker_results(script: str | Path, *args: str, out: Path,
+                   worker: str = "--worker") -> list[dict]:
+    """`script worker *args out` under torchrun on two ranks: what each rank wrote."""
+    torchrun(str(script), worker, *args, str(out))
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 

@@ -260,7 +260,7 @@ def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
     out = {}
     for name in ("bf16", "float32"):
         if name == "float32":
-            monkeypatch.setattr(rollout, "kv_cache", lambda model: None)
+            monkeypatch.setattr(rollout, "kv_cache", lambda model, length: None)
         torch.manual_seed(0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out[name], _ = generate(model, tok, prompts, cfg, [])
@@ -276,6 +276,51 @@ def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
     torch.manual_seed(0)
     generate(model, tok, prompts, cfg, [])
     assert caches[-1].layers[0].keys.dtype == torch.float32  # no autocast: the model's own dtype
+
+
+class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many times each aten operator is dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] = self.calls.get(func.overloadpacket.__name__, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 7, "top_p": 0.9}],
+                         ids=["T1", "T0.7-k7-p0.9"])
+def test_generation_cache_is_written_in_place_and_samples_what_hf_cache_does(monkeypatch,
+                                                                            sampling):
+    """rollout.generate's KV cache (support.logprobs._KVCache) against HF's own DynamicCache,
+    float32, one RNG seed, prompts of several lengths (left padding), some rows ending early: the
+    same tokens, behaviour log-probs and entropies bit for bit. HF's cache concatenates each
+    layer's whole K and V at every token (2 `cat`s per layer and step); this one concatenates only
+    at the prompt and writes each token in place."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))
+    prompts = [tok("1+" * (i + 1) + "=")["input_ids"] for i in range(5)]
+    cfg = RolloutConfig(group_size=3, max_new_tokens=12, **sampling)
+    stop = list(range(20, 50))  # a random model's rows: about one in nine ends at each token
+    out, cats = {}, {}
+    for name in ("hf", "in_place"):
+        if name == "hf":
+            monkeypatch.setattr(rollout, "kv_cache", lambda model, length: None)
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(0)
+        ops = CountOps()
+        with ops:
+            out[name], _ = generate(model, tok, prompts, cfg, stop)
+        cats[name] = ops.calls.get("cat", 0)
+    a, b = out["hf"], out["in_place"]
+    assert 0 < int(a.completion_len.min()) < cfg.max_new_tokens  # some rows ended early
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.behav_logp, b.behav_logp)
+    assert torch.equal(a.entropy, b.entropy)
+    steps, layers = int(a.completion_len.max()) - 1, model.config.num_hidden_layers
+    assert cats["hf"] - cats["in_place"] >= 2 * layers * steps
 
 
 def test_sampler_checks_finiteness_once_at_the_end():

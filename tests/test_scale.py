@@ -491,8 +491,66 @@ def test_fsdp_sigkill_then_resume_is_bit_identical(tmp_path):
     assert any(not torch.equal(a[k], original[k]) for k in original), "the run trained"
 
 
+def generation_worker(dtype: str, model_dir: str, out: str) -> None:
+    """Under torchrun, the model sharded as train.py shards it with model.parallel=fsdp and
+    compute `dtype`: one sample of 4 prompts x 3 inside `parallel.generation`, twice from one RNG
+    state, once with FSDP's forward hooks left on (as before) and once as the context runs it;
+    writes both samples and the FSDP forward-hook events each ran (torch's profiler; the gather
+    before and the free after are the context's own)."""
+    import torch.distributed as dist
+
+    from support import parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cfg = update_cfg("grpo")
+    cfg.model.path, cfg.model.parallel, cfg.model.compute_dtype = model_dir, "fsdp", dtype
+    model, _, tok, _, compute = load_policy(cfg, model_dir, torch.device("cpu"), 2)
+    prompts = [prompt_ids(tok, f"{i}+{i}=", "{problem}", False) for i in range(4 + dist.get_rank())]
+    cfg.rollout.group_size = 3
+    stop = end_ids(tok, model, True, [])
+    result = {}
+    for name in ("hooked", "plain"):
+        torch.manual_seed(7)
+        real = parallel._forward_hooks_off
+        if name == "hooked":  # the hooks stay on: what generation ran before
+            parallel._forward_hooks_off = keep_hooks_on
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with parallel.generation(model, compute):
+                    ro, _ = generate(model, tok, prompts, cfg.rollout, stop)
+        finally:
+            parallel._forward_hooks_off = real
+        fsdp = [e for e in prof.events() if e.name.startswith("FSDP::") and "forward" in e.name]
+        result[name] = {"tokens": ro.tokens.tolist(), "logp": ro.behav_logp.tolist(),
+                        "entropy": ro.entropy.tolist(), "fsdp_events": len(fsdp)}
+    write_result(out, result)
+    parallel.close()
+
+
+def keep_hooks_on(module) -> dict:
+    """`parallel._forward_hooks_off` that takes nothing off (generation as it ran before)."""
+    return {}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp_generation_runs_without_fsdp_hooks_and_samples_the_same(model_dir, tmp_path, dtype):
+    """Under FSDP the generation phase gathers the weights once and then runs no FSDP hook: the
+    profiler sees FSDP's pre/post-forward events with the hooks on and none without, and the
+    tokens, behaviour log-probs and entropies are bit-identical (each rank: its own prompts)."""
+    ranks = worker_results(__file__, dtype, str(model_dir), out=tmp_path / "gen.json",
+                           worker="--gen-worker")
+    for r in ranks:
+        assert r["hooked"]["fsdp_events"] > 0 and r["plain"]["fsdp_events"] == 0
+        for key in ("tokens", "logp", "entropy"):
+            assert r["plain"][key] == r["hooked"][key], key
+        assert any(any(row) for row in r["plain"]["logp"])
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(*sys.argv[2:5])
+if __name__ == "__main__" and sys.argv[1:2] == ["--gen-worker"]:
+    generation_worker(*sys.argv[2:5])
 
 
 # ------------------------------------------------------------------------------- bench/gpu_check.py
