@@ -36,9 +36,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from data.build_tiny_model import build_tokenizer  # noqa: E402
-from rollout import RolloutConfig, generate  # noqa: E402
-from support import parallel  # noqa: E402
+from data.build_tiny_model import build_tokenizer
+from rollout import RolloutConfig, generate
+from support import parallel
 
 ARMS = ("plain", "fsdp_hooks", "fsdp")
 

@@ -286,7 +286,8 @@ class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
         self.calls = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.overloadpacket.__name__] = self.calls.get(func.overloadpacket.__name__, 0) + 1
+        name = func.overloadpacket.__name__
+        self.calls[name] = self.calls.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 

@@ -516,9 +516,10 @@ def generation_worker(dtype: str, model_dir: str, out: str) -> None:
         if name == "hooked":  # the hooks stay on: what generation ran before
             parallel._forward_hooks_off = keep_hooks_on
         try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                with parallel.generation(model, compute):
-                    ro, _ = generate(model, tok, prompts, cfg.rollout, stop)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            with torch.profiler.profile(activities=activities) as prof, parallel.generation(
+                    model, compute):
+                ro, _ = generate(model, tok, prompts, cfg.rollout, stop)
         finally:
             parallel._forward_hooks_off = real
         fsdp = [e for e in prof.events() if e.name.startswith("FSDP::") and "forward" in e.name]
