@@ -56,6 +56,10 @@ class RolloutConfig:
     reward spread."""
     engine: str = "hf"
     """What samples: `hf` (HF generate, the reference loop) or `vllm` (support/vllm.py)."""
+    static_cache: bool = False
+    """hf: a fixed-size KV cache, with which transformers compiles the decode step on a GPU
+    (torch.compile, CUDA graphs: far less host time a token). Samples agree with the default
+    cache's within float tolerance, not bit for bit (docs/gpu.md)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm, GPU: share of GPU memory the engine may take for weights and KV cache (vLLM's)."""
     vllm_kv_cache_gb: float = 0.0
@@ -77,6 +81,8 @@ class RolloutConfig:
             "gen_batch_size": (0 < self.gen_batch_size <= 10**9, "> 0 and ≤ 10^9"),  # MAX_BATCH
             "dynamic_sampling": (self.dynamic_sampling >= 0, "≥ 0 (0 = off)"),
             "engine": (self.engine in ("hf", "vllm"), "hf or vllm"),
+            "static_cache": (not self.static_cache or self.engine == "hf",
+                             "false with engine vllm (the engine keeps its own cache)"),
             "vllm_gpu_memory_utilization": (0 < self.vllm_gpu_memory_utilization <= 1, "in (0, 1]"),
             "vllm_kv_cache_gb": (0 <= self.vllm_kv_cache_gb < 1e6, "≥ 0 (0 = automatic)"),
         }
@@ -291,10 +297,13 @@ def _sample(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig,
     gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0,
                                max_new_tokens=cfg.max_new_tokens, eos_token_id=stop or None,
                                pad_token_id=tokenizer.pad_token_id)
+    cache = {cache_kwarg(model): kv_cache(model, P + cfg.max_new_tokens)}
+    if cfg.static_cache:  # transformers makes a StaticCache (and on a GPU compiles the step)
+        gen_cfg.cache_implementation = "static"
+        cache = {}
     recorder = _SamplingDistribution(cfg)
     out = model.generate(**batch.to(device), generation_config=gen_cfg,
-                         logits_processor=LogitsProcessorList([recorder]),
-                         **{cache_kwarg(model): kv_cache(model, P + cfg.max_new_tokens)},
+                         logits_processor=LogitsProcessorList([recorder]), **cache,
                          stopping_criteria=transformers.StoppingCriteriaList([StopRequested()]))
     if should_stop():  # cut short: the rows are incomplete
         raise Interrupted

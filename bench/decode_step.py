@@ -1,75 +1,98 @@
-"""Host time of one decode step, side by side: `rollout.generate`'s step at a Qwen2.5-0.5B-like
-shape with few layers (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocabulary 151,936), float32,
-on this machine, in the three ways a run generates with the HF engine:
+"""Time of one decode step, side by side: `rollout.generate`'s step in the ways a run has generated
+with the HF engine, at a real model's shape (random weights):
 
-  plain        one process, no FSDP (the module as loaded)
-  fsdp_hooks   FSDP2 at world size 1 with its forward hooks on during generation (before)
-  fsdp         FSDP2 at world size 1 as `parallel.generation` runs it now (hooks off)
+  before     FSDP2 at world size 1, its forward hooks on during generation, HF's DynamicCache
+  hooks_off  FSDP2 at world size 1 as `parallel.generation` runs it now (hooks off), HF's cache
+  after      hooks off and the KV cache written in place (support.logprobs._KVCache): today's path
+  static     as after with rollout.static_cache: transformers' StaticCache, and on a GPU the
+             decode step compiled (torch.compile, CUDA graphs)
+  plain      one process, no FSDP, today's cache
 
-  python bench/decode_step.py                  # 2 layers, 8 rows, 16 and 48 new tokens, 5 repeats
-  python bench/decode_step.py --layers 4 --rows 32 --json bench/results/decode_step.json
+  python bench/decode_step.py                    # 0.5b shape, 2 layers, 4 rows: the CPU default
+  python bench/decode_step.py --vocab 4096       # a small head: the step's host overhead shows
+  python bench/decode_step.py --shape 1.5b --layers 0 --rows 128 --prompt-tokens 512 \
+      --tokens 32,288 --dtype bfloat16 --device cuda --repeats 1 --json out.json   # a GPU
 
 A decode step's time is (time for T2 new tokens - time for T1) / (T2 - T1), so the prompt's pass
-cancels; the arms alternate within each repeat and the median is reported. "ops/step" counts the
-aten operators dispatched per decode step (a TorchDispatchMode, each kernel launch on a GPU one
-of them), "hooks/step" the FSDP forward-hook events (torch's profiler). On a CPU the step's
-compute is real work too, so the difference between arms is the host overhead removed.
+cancels (and, warmed up, compilation); the arms alternate within each repeat and the median is
+reported, with useful tokens/s = rows / step time. Per decode step, also: "ops" the aten operators
+dispatched that compute (a TorchDispatchMode; views aside, which launch no kernel; on a GPU each
+of the others is a kernel launch; counted eagerly, so not for `static`), "cat MB" the bytes
+`cat` writes (HF's cache copies every layer's K and V at every token), "hooks" FSDP's
+forward-hook events (torch's profiler). Prompts are random token ids, no end token: every row
+runs T tokens. bf16: FSDP's mixed-precision policy (float32 masters), autocast for `plain`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import rollout
 from data.build_tiny_model import build_tokenizer
-from rollout import RolloutConfig, generate
+from rollout import RolloutConfig
 from support import parallel
 
-ARMS = ("plain", "fsdp_hooks", "fsdp")
+ARMS = ("before", "hooks_off", "after", "static", "plain")
+SHAPES = {  # hidden, heads, KV heads, MLP, layers (Qwen2.5's configs)
+    "0.5b": (896, 14, 2, 4864, 24),
+    "1.5b": (1536, 12, 2, 8960, 28),
+}
 
 
 class CountOps(TorchDispatchMode):
-    """Counts the aten operators dispatched inside it."""
+    """Counts the aten operators dispatched inside it that compute (views aside: no kernel), and
+    the bytes `cat` writes."""
 
     def __init__(self):
         super().__init__()
         self.n = 0
+        self.cat_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.n += not func.is_view
+        if func.overloadpacket.__name__ == "cat":
+            self.cat_bytes += out.numel() * out.element_size()
+        return out
 
 
-def qwen05_like(layers: int, seed: int = 0) -> torch.nn.Module:
-    """Qwen2.5-0.5B's shape with `layers` decoder layers, randomly initialised, tied head."""
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                      num_hidden_layers=layers, num_attention_heads=14, num_key_value_heads=2,
-                      max_position_embeddings=4096, tie_word_embeddings=True)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+def qwen_like(shape: str, layers: int, vocab: int, device: str) -> torch.nn.Module:
+    """Qwen2.5's `shape` with `layers` decoder layers (0: all), random weights, float32."""
+    hidden, heads, kv_heads, mlp, all_layers = SHAPES[shape]
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
+                      num_hidden_layers=layers or all_layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=32768,
+                      tie_word_embeddings=shape == "0.5b")
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """FSDP2 as support/models.py shards it: a unit per decoder layer, then the root."""
+    bf16 = dtype == torch.bfloat16
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                              reduce_dtype=torch.float32)
     for unit in model.modules():
         if type(unit).__name__ in model._no_split_modules:
-            fully_shard(unit)
-    fully_shard(model)
+            fully_shard(unit, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     return model
 
 
@@ -78,74 +101,119 @@ def keep_hooks_on(module) -> dict:
     return {}
 
 
-def one(model, tok, prompts: list, new_tokens: int, arm: str, count: bool) -> tuple:
-    """(seconds, aten ops, FSDP forward-hook events) of one `generate` of `new_tokens`."""
-    cfg = RolloutConfig(group_size=1, max_new_tokens=new_tokens, gen_batch_size=len(prompts))
-    real = parallel._forward_hooks_off
-    if arm == "fsdp_hooks":
+def hf_cache(model, length: int) -> None:
+    """`rollout.kv_cache` as before: none given, so `generate` makes HF's DynamicCache."""
+    return None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bool) -> tuple:
+    """(seconds, aten ops, bytes `cat` wrote, FSDP forward-hook events) of one `generate`."""
+    cfg = RolloutConfig(group_size=1, max_new_tokens=new_tokens, gen_batch_size=len(prompts),
+                        static_cache=arm == "static")
+    real = parallel._forward_hooks_off, rollout.kv_cache
+    if arm == "before":
         parallel._forward_hooks_off = keep_hooks_on
+    if arm in ("before", "hooks_off"):
+        rollout.kv_cache = hf_cache
     ops, hooks = CountOps(), 0
+    device = next(model.parameters()).device
     try:
         torch.manual_seed(0)
-        with parallel.generation(model, parallel.nullcontext()):
+        with parallel.generation(model, compute):
             if not count:
+                sync(device)
                 t0 = time.perf_counter()
-                generate(model, tok, prompts, cfg, [])
-                return time.perf_counter() - t0, 0, 0
+                rollout.generate(model, tok, prompts, cfg, [])
+                sync(device)
+                return time.perf_counter() - t0, 0, 0, 0
             activities = [torch.profiler.ProfilerActivity.CPU]
             with torch.profiler.profile(activities=activities) as prof, ops:
-                generate(model, tok, prompts, cfg, [])
+                rollout.generate(model, tok, prompts, cfg, [])
             for event in prof.events():
                 hooks += event.name.startswith("FSDP::") and "forward" in event.name
     finally:
-        parallel._forward_hooks_off = real
-    return 0.0, ops.n, hooks
+        parallel._forward_hooks_off, rollout.kv_cache = real
+    return 0.0, ops.n, ops.cat_bytes, hooks
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--tokens", default="16,48", help="T1,T2 new tokens")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (0: the model's all)")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--tokens", default="16,96", help="T1,T2 new tokens")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-count", action="store_true", help="skip the op and hook counts")
     ap.add_argument("--json", default="", help="also write the figures here")
     a = ap.parse_args(argv)
     t1, t2 = map(int, a.tokens.split(","))
+    arms = a.arms.split(",")
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     torch.set_num_threads(a.threads)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
     store = tempfile.NamedTemporaryFile(prefix="decode_step_")
-    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     tok = build_tokenizer()
-    prompts = [tok(f"{i} + {i * 7} - {i * 3} =")["input_ids"] for i in range(a.rows)]
-    models = {"plain": qwen05_like(a.layers), "fsdp": shard(qwen05_like(a.layers))}
-    models["fsdp_hooks"] = models["fsdp"]
-    step = {arm: [] for arm in ARMS}
-    for arm in ARMS:  # warm-up
-        one(models[arm], tok, prompts, t1, arm, False)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, len(tok), (a.rows, a.prompt_tokens), generator=g).tolist()
+    models, compute = {}, {}
+    if {"before", "hooks_off", "after", "static"} & set(arms):
+        sharded = shard(qwen_like(a.shape, a.layers, a.vocab, a.device), dtype)
+        models = dict.fromkeys(("before", "hooks_off", "after", "static"), sharded)
+        compute = dict.fromkeys(models, nullcontext())
+    if "plain" in arms:
+        models["plain"] = qwen_like(a.shape, a.layers, a.vocab, a.device)
+        compute["plain"] = nullcontext()
+        if dtype == torch.bfloat16:
+            compute["plain"] = torch.autocast(device.type, dtype=torch.bfloat16)
+    step = {arm: [] for arm in arms}
+    for arm in arms:  # warm-up (the static arm compiles here on a GPU)
+        one(models[arm], tok, prompts, t2, arm, compute[arm], False)
     for _ in range(a.repeats):
-        for arm in ARMS:
-            short = one(models[arm], tok, prompts, t1, arm, False)[0]
-            long = one(models[arm], tok, prompts, t2, arm, False)[0]
+        for arm in arms:
+            short = one(models[arm], tok, prompts, t1, arm, compute[arm], False)[0]
+            long = one(models[arm], tok, prompts, t2, arm, compute[arm], False)[0]
             step[arm].append((long - short) / (t2 - t1))
-    result = {"shape": f"Qwen2.5-0.5B-like, {a.layers} layers, float32", "rows": a.rows,
-              "tokens": [t1, t2], "threads": a.threads, "torch": torch.__version__,
-              "transformers": sys.modules["transformers"].__version__, "arms": {}}
-    print(f"{result['shape']}, {a.rows} rows, torch {torch.__version__}, "
-          f"transformers {result['transformers']}, {a.threads} threads, {a.repeats} repeats")
-    print(f"{'arm':<11} {'ms/step':>8} {'range':>15} {'ops/step':>9} {'hooks/step':>11}")
-    for arm in ARMS:
-        _, ops1, hooks1 = one(models[arm], tok, prompts, t1, arm, True)
-        _, ops2, hooks2 = one(models[arm], tok, prompts, t2, arm, True)
+    layers = models[arms[0]].config.num_hidden_layers
+    shape = f"Qwen2.5-{a.shape}-like, {layers} layers, vocabulary {a.vocab}, {a.dtype}"
+    result = {"shape": shape, "rows": a.rows, "prompt_tokens": a.prompt_tokens,
+              "tokens": [t1, t2], "device": str(device), "threads": a.threads,
+              "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
+              "repeats": a.repeats, "arms": {}}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+    print(f"{shape}, {a.rows} rows, prompts of {a.prompt_tokens}, {device}, torch "
+          f"{torch.__version__}, transformers {result['transformers']}, {a.repeats} repeats")
+    print(f"{'arm':<10} {'ms/step':>8} {'range':>15} {'tokens/s':>9} {'ops':>7} {'cat MB':>8} "
+          f"{'hooks':>6}")
+    for arm in arms:
+        counts = [(0.0, 0, 0, 0), (0.0, 0, 0, 0)]
+        if not a.no_count and arm != "static":
+            counts = [one(models[arm], tok, prompts, t, arm, compute[arm], True) for t in (t1, t2)]
         ms = [1000 * s for s in step[arm]]
         row = {"ms_per_step": statistics.median(ms), "min": min(ms), "max": max(ms),
-               "ops_per_step": (ops2 - ops1) / (t2 - t1),
-               "hooks_per_step": (hooks2 - hooks1) / (t2 - t1)}
+               "tokens_per_s": a.rows / statistics.median(step[arm]),
+               "ops_per_step": (counts[1][1] - counts[0][1]) / (t2 - t1),
+               "cat_mb_per_step": (counts[1][2] - counts[0][2]) / (t2 - t1) / 2**20,
+               "hooks_per_step": (counts[1][3] - counts[0][3]) / (t2 - t1)}
         result["arms"][arm] = row
-        print(f"{arm:<11} {row['ms_per_step']:8.2f} {row['min']:7.2f}-{row['max']:<7.2f} "
-              f"{row['ops_per_step']:9.1f} {row['hooks_per_step']:11.1f}")
+        print(f"{arm:<10} {row['ms_per_step']:8.2f} {row['min']:7.2f}-{row['max']:<7.2f} "
+              f"{row['tokens_per_s']:9.0f} {row['ops_per_step']:7.1f} "
+              f"{row['cat_mb_per_step']:8.3f} {row['hooks_per_step']:6.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     dist.destroy_process_group()

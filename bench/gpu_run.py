@@ -22,6 +22,10 @@ Steps:
           uninterrupted 8-step run: final weights and metrics bit-identical? If not, an
           uninterrupted twin says whether plain runs repeat, and the same pair under
           torch.use_deterministic_algorithms says whether that restores it, and at what cost.
+  decode  bench/decode_step.py at Qwen2.5-1.5B's shape (128 rows, prompts of 512, bf16): decode
+          tokens/s before (FSDP hooks on during generation, HF's DynamicCache), after (hooks off,
+          the KV cache written in place) and with rollout.static_cache (compiled, CUDA graphs),
+          in one run; the target is 10,000 useful tokens/s.
   full    full fine-tuning at Qwen2.5-1.5B's shape (random weights, bf16 compute, float32 masters,
           FSDP2 on one GPU, micro_batch_tokens packing, the chunked head): one step of 16 prompts
           x 8 (512 + 1,024 tokens). Peak memory against bench/memory_plan.py, HF generate tokens/s,
@@ -51,7 +55,8 @@ CHECK = [sys.executable, str(REPO / "bench" / "gpu_check.py")]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 TINY = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
         "--wandb.mode=disabled"]
-CAPS = {"env": 60, "check": 240, "tiny": 150, "resume": 150, "full": 240, "lora": 180}
+CAPS = {"env": 60, "check": 240, "tiny": 150, "resume": 150, "decode": 300, "full": 240,
+        "lora": 180}
 """Seconds each step may take on the GPU (a dry run gets the same)."""
 MIN_CAP = 20  # seconds: a step with less of the budget left is not run
 DRY = ["--shape", "dry", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
@@ -373,8 +378,35 @@ def lora_step(a, report: Report, cap: float) -> dict:
     return gpu_check(a, report, sizes, cap, "lora")
 
 
+# ---------------------------------------------------------------------------------------- decode
+DECODE_TARGET = 10_000  # useful tokens/s at Qwen2.5-1.5B's shape, 128 rows (issue #50)
+
+
+def decode_step(a, report: Report, cap: float) -> dict:
+    """bench/decode_step.py at Qwen2.5-1.5B's shape, 128 rows, prompts of 512: decode tokens/s
+    before (FSDP hooks on, HF's cache), after (hooks off, the in-place cache) and with
+    rollout.static_cache (transformers compiles the step: CUDA graphs), in one run. Passes when
+    every arm ran and the best reaches DECODE_TARGET."""
+    sizes = ["--shape", "1.5b", "--layers", "0", "--rows", "128", "--prompt-tokens", "512",
+             "--tokens", "32,288", "--dtype", "bfloat16", "--device", "cuda", "--repeats", "1",
+             "--arms", "before,after,static"]
+    if a.dry_run:
+        sizes = ["--layers", "2", "--vocab", "4096", "--rows", "4", "--tokens", "4,12",
+                 "--repeats", "1", "--arms", "before,after,static"]
+    out = Path(a.work) / "decode_step.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "bench" / "decode_step.py"), *sizes, "--json", str(out)]
+    code, text, seconds = child(cmd, report, cap)
+    if code != 0 or not out.is_file():
+        return {"status": "failed", "exit": code, "tail": tail(text)}
+    r = json.loads(out.read_text())
+    best = max(arm["tokens_per_s"] for arm in r["arms"].values())
+    passed = best >= DECODE_TARGET or a.dry_run
+    return r | {"status": "passed" if passed else "missed", "target_tokens_per_s": DECODE_TARGET}
+
+
 STEPS = {"env": env_step, "check": check_step, "tiny": tiny_step, "resume": resume_step,
-         "full": full_step, "lora": lora_step}
+         "decode": decode_step, "full": full_step, "lora": lora_step}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -324,6 +324,27 @@ def test_generation_cache_is_written_in_place_and_samples_what_hf_cache_does(mon
     assert cats["hf"] - cats["in_place"] >= 2 * layers * steps
 
 
+def test_static_cache_samples_within_float_tolerance_of_the_default():
+    """rollout.static_cache (transformers' StaticCache, which it compiles on a GPU) against the
+    default cache, float32 on the CPU, one seed: the same tokens here, and behaviour log-probs and
+    entropies within 1e-4 (attention over the cache's fixed length sums in another order; about
+    1e-5 apart). With engine vllm the key is refused."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))
+    prompts = [tok("1+" * (i + 1) + "=")["input_ids"] for i in range(5)]
+    out = {}
+    for static in (False, True):
+        cfg = RolloutConfig(group_size=3, max_new_tokens=12, top_k=7, static_cache=static)
+        torch.manual_seed(0)
+        out[static], _ = generate(model, tok, prompts, cfg, list(range(20, 50)))
+    a, b = out[False], out[True]
+    assert torch.equal(a.tokens, b.tokens)
+    gap = (a.behav_logp - b.behav_logp).abs().max()
+    assert 0 < gap <= 1e-4 and (a.entropy - b.entropy).abs().max() <= 1e-4
+    bad = RolloutConfig(static_cache=True, engine="vllm").check()["static_cache"]
+    assert not bad[0] and "vllm" in bad[1]
+
+
 def test_sampler_checks_finiteness_once_at_the_end():
     """NaN weights: generation runs to its end without a device→host sync per token, then raises the
     same error."""
