@@ -20,7 +20,7 @@ import torch
 import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from support.logprobs import cache_kwarg, kv_cache, use_chunked_head
+from support.logprobs import kv_cache, use_chunked_head
 from support.parallel import hf_module
 from support.preempt import Interrupted, StopRequested, should_stop
 from support.util import mode
@@ -297,13 +297,10 @@ def _sample(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig,
     gen_cfg = GenerationConfig(do_sample=cfg.temperature > 0, temperature=1.0, top_p=1.0, top_k=0,
                                max_new_tokens=cfg.max_new_tokens, eos_token_id=stop or None,
                                pad_token_id=tokenizer.pad_token_id)
-    cache = {cache_kwarg(model): kv_cache(model, P + cfg.max_new_tokens)}
-    if cfg.static_cache:  # transformers makes a StaticCache (and on a GPU compiles the step)
-        gen_cfg.cache_implementation = "static"
-        cache = {}
     recorder = _SamplingDistribution(cfg)
     out = model.generate(**batch.to(device), generation_config=gen_cfg,
-                         logits_processor=LogitsProcessorList([recorder]), **cache,
+                         logits_processor=LogitsProcessorList([recorder]),
+                         **kv_cache(model, P + cfg.max_new_tokens, cfg.static_cache),
                          stopping_criteria=transformers.StoppingCriteriaList([StopRequested()]))
     if should_stop():  # cut short: the rows are incomplete
         raise Interrupted

@@ -101,8 +101,9 @@ def keep_hooks_on(module) -> dict:
     return {}
 
 
-def hf_cache(model, length: int) -> None:
-    """`rollout.kv_cache` as before: none given, so `generate` makes HF's DynamicCache."""
+def hf_cache(model, length: int, static: bool = False) -> dict:
+    """`rollout.kv_cache` as before: no cache given, so `generate` makes HF's DynamicCache."""
+    return {}
 
 
 def sync(device: torch.device) -> None:

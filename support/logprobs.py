@@ -262,11 +262,15 @@ class _KVCache(transformers.DynamicCache):
         return layer.keys, layer.values
 
 
-def kv_cache(model, length: int) -> transformers.DynamicCache:
-    """The cache to generate with, for sequences of up to `length` tokens (`_KVCache`): K and V in
-    the autocast dtype under autocast, else as the model computes them."""
+def kv_cache(model, length: int, static: bool = False) -> dict:
+    """`generate`'s KV-cache argument for sequences of up to `length` tokens: a `_KVCache` (K and V
+    in the autocast dtype under autocast, else as the model computes them), or with `static`
+    (rollout.static_cache) transformers' own StaticCache, with which it compiles the decode step
+    on a GPU."""
+    if static:
+        return {"cache_implementation": "static"}
     device = next(model.parameters()).device.type
     dtype = None
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
-    return _KVCache(length, dtype, config=model.config)
+    return {cache_kwarg(model): _KVCache(length, dtype, config=model.config)}

@@ -260,7 +260,7 @@ def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
     out = {}
     for name in ("bf16", "float32"):
         if name == "float32":
-            monkeypatch.setattr(rollout, "kv_cache", lambda model, length: None)
+            monkeypatch.setattr(rollout, "kv_cache", lambda model, length, static=False: {})
         torch.manual_seed(0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out[name], _ = generate(model, tok, prompts, cfg, [])
@@ -308,7 +308,7 @@ def test_generation_cache_is_written_in_place_and_samples_what_hf_cache_does(mon
     out, cats = {}, {}
     for name in ("hf", "in_place"):
         if name == "hf":
-            monkeypatch.setattr(rollout, "kv_cache", lambda model, length: None)
+            monkeypatch.setattr(rollout, "kv_cache", lambda model, length, static=False: {})
         else:
             monkeypatch.undo()
         torch.manual_seed(0)
