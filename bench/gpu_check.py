@@ -326,6 +326,7 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     hit = sum(int(((local(params[i].detach()).cpu() != before[i]) & m).sum())
               for i, m in live.items())
     moved = hit / max(1, sum(int(m.sum()) for m in live.values()))
+    warm = warm_tokens_per_s(cfg, model, policy, optimizer, batch, device, compute)
     ref_norm = math.nan if a.lora else reference_grad_norm(cfg, path, batch, device)
     rel, gap = abs(metrics["grad_norm"] / ref_norm - 1), metrics["rollout/logp_gap_mean"]
     trained = sum(p.numel() for p in params if p.requires_grad)
@@ -335,13 +336,16 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     REPORT["update"] = {"tokens": int(batch.seq_len.sum()), "tokens_per_s": tps,
                         "params": sum(p.numel() for p in params), "trained_params": trained,
                         "moved_frac": moved, "grad_norm": metrics["grad_norm"],
-                        "reference_grad_norm": ref_norm, **mfu_figures(model, tps, a)}
+                        "reference_grad_norm": ref_norm, **mfu_figures(model, tps, a),
+                        "warm_tokens_per_s": warm, "warm": mfu_figures(model, warm, a)}
     print(f"(c) |behaviour − trainer| log-prob of fresh tokens, training forward: mean {gap:.4f} "
           f"(bound {a.max_gap_mean}), max {metrics['rollout/logp_gap_max']:.4f}; no-grad pass: "
           f"mean "
           f"{stats['mean']:.4f}, p99 {stats['p99']:.4f}, outside the clip range "
           f"{100 * stats['outside_clip']:.3f} %")
-    print(f"(e) training {tps:.0f} tokens/s{mfu(model, tps, a)}; one AdamW step at lr 1e-6 moved "
+    print(f"(e) training, a warm step: {warm:.0f} tokens/s{mfu(model, warm, a)}")
+    print(f"(e) training, the cold step: {tps:.0f} tokens/s{mfu(model, tps, a)}; one AdamW step at "
+          f"lr 1e-6 moved "
           f"{100 * moved:.2f} % of the weights with a non-zero gradient (need ≥ 99 %); grad norm "
           f"{metrics['grad_norm']:.5g} vs the reference's {ref_norm:.5g} ({100 * rel:.2f} %, "
           f"need ≤ {100 * a.max_grad_norm_diff:g} %)")
@@ -449,22 +453,48 @@ def memory_check(cfg, shape, peaks: dict, a) -> list[str]:
     return failures
 
 
+def warm_tokens_per_s(cfg, model, policy, optimizer, batch, device, compute) -> float:
+    """Tokens/s of a second update on the same batch (lr 1e-6 again): warm, with the allocator's
+    blocks, the optimizer's state and any compiled kernels already in place."""
+    import grpo
+    from config import update_settings
+
+    sync()
+    t0 = time.time()
+    grpo.update_policy(update_settings(cfg), model, policy, optimizer, batch, device, compute)
+    sync()
+    return int(batch.seq_len.sum()) / (time.time() - t0)
+
+
 def mfu_figures(model, tps: float, a) -> dict:
-    """The update's model FLOP utilisation: 6 × parameters × trained tokens/s ÷ the bf16 peak (the
-    measured one when given; recomputed activations not counted as work)."""
+    """The update's model FLOP utilisation, 6 × parameters × trained tokens/s (recomputed
+    activations not counted as work), against the datasheet's dense bf16 peak by the GPU's name
+    and against the measured one when given (--peak-tflops: gpu_run's bf16 matmul)."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    n = sum(p.numel() for p in model.parameters())
-    if not peak:
-        return {"device": name}
-    return {"device": name, "peak_tflops": peak, "mfu": 6 * n * tps / (peak * 1e12)}
+    datasheet = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    work = 6 * sum(p.numel() for p in model.parameters()) * tps
+    r = {"device": name}
+    if datasheet:
+        r |= {"datasheet_peak_tflops": datasheet, "mfu_datasheet": work / (datasheet * 1e12)}
+    if a.peak_tflops:
+        r |= {"measured_peak_tflops": a.peak_tflops, "mfu_measured": work / (a.peak_tflops * 1e12)}
+    if len(r) > 1:  # the earlier runs' field: the measured peak's when there is one
+        r["mfu"] = r.get("mfu_measured", r.get("mfu_datasheet"))
+    return r
 
 
 def mfu(model, tps: float, a) -> str:
     r = mfu_figures(model, tps, a)
-    if "mfu" not in r:
+    said = []
+    if "mfu_datasheet" in r:
+        said.append(f"{100 * r['mfu_datasheet']:.1f} % of the datasheet's "
+                    f"{r['datasheet_peak_tflops']:g} TFLOP/s")
+    if "mfu_measured" in r:
+        said.append(f"{100 * r['mfu_measured']:.1f} % of the measured "
+                    f"{r['measured_peak_tflops']:g} TFLOP/s")
+    if not said:
         return ""
-    return f", MFU {100 * r['mfu']:.1f} % on {r['device']}"
+    return f", MFU {' and '.join(said)} on {r['device']}"
 
 
 def sync() -> None:

@@ -591,8 +591,9 @@ def test_gpu_check_logic_on_the_cpu():
 def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     """bench/gpu_run.py --dry-run (#41): every step of the GPU script at toy sizes on this CPU,
     proven before a GPU's minutes are spent: its JSON has each step passed, with the figures the
-    GPU run reports (the tiny run's gain, the resume's identical weights, the update's tokens/s,
-    the chunked head's difference)."""
+    GPU run reports (the tiny run's gain, the resume's identical weights, the update's tokens/s
+    cold and warm with its MFU, decode tokens/s before and after, the chunked head's
+    difference)."""
     cmd = [sys.executable, "bench/gpu_run.py", "--dry-run", "--out", str(tmp_path / "out"),
            "--work", str(tmp_path / "work")]
     r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900,
@@ -600,9 +601,15 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "out" / "gpu_run.json").read_text())
     steps = report["steps"]
     assert r.returncode == 0, r.stdout[-3000:]
-    assert [steps[n]["status"] for n in steps] == ["passed"] * 6
+    assert [steps[n]["status"] for n in steps] == ["passed"] * 7
     assert steps["resume"]["default"]["identical"] and "gain" in steps["tiny"]
-    assert steps["full"]["update"]["tokens_per_s"] > 0
+    update = steps["full"]["update"]
+    assert update["tokens_per_s"] > 0 and update["warm_tokens_per_s"] > 0
+    assert update["warm"]["mfu_measured"] > 0  # against the env step's matmul
+    arms = steps["decode"]["arms"]
+    assert arms["before"]["hooks_per_step"] > 0 == arms["after"]["hooks_per_step"]
+    assert arms["after"]["cat_mb_per_step"] < arms["before"]["cat_mb_per_step"]
+    assert arms["static"]["tokens_per_s"] > 0 and not steps["decode"]["failed"]
     assert steps["lora"]["update"]["trained_params"] < steps["lora"]["update"]["params"]
     assert steps["full"]["chunked_head"]["max_abs_diff"] < 1e-4
     assert "cpu:gloo" in steps["check"]["rank_check"]["backend_map"]
