@@ -31,7 +31,7 @@ from tqdm import tqdm
 import rewards
 from config import DataConfig
 from data.loaders import NAMED, Problem, load_problems
-from rollout import MIN_TEMPERATURE, RolloutConfig
+from rollout import MIN_TEMPERATURE, RolloutConfig, make_sampler
 from analysis import compare
 from support import parallel
 from support.checks import MAX_EVAL_SAMPLES, MAX_STEP_TOKENS
@@ -42,7 +42,7 @@ from support.prompts import (ChatTemplateError, build_prompts, end_ids, frame_fa
 from support.locks import results_folder
 from support.rundir import write_file
 from support.util import OneLineParser, RunError, oneline, path_fault, quiet
-from support.vllm import make_sampler
+
 
 DEFAULT_TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answer within "
                     "\\boxed{}.")

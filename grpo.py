@@ -73,7 +73,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from methods.gate import Gate
 from methods.lookahead import Plain
-from rollout import Row, pack
+from batch import Row, pack
 from support import parallel
 from support.logprobs import completion_logprobs
 from support.parallel import hf_module

@@ -28,7 +28,7 @@ import torch
 
 from data.solutions import PhaseOne, file_sha256, read_rlep_source, rlep_generated_tokens
 from grpo import group_stats
-from rollout import Rollouts
+from batch import Rollouts
 from support import replay_state
 from support.parallel import all_ranks
 

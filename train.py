@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 import grpo
+from batch import Rollouts
 from grpo import get_lr
 from config import Config, ConfigError, check_rules, load_config, update_settings, validate
 from data.loaders import load_task, prompt_stream
@@ -35,7 +36,7 @@ from methods import dynamic
 from methods.lookahead import make_lookahead
 from replay import make_replay, sizes
 from rewards import overlong_penalty, score_batch
-from rollout import Rollouts
+from rollout import make_sampler
 from support import checkpoint, parallel
 from support.checks import budget
 from support.models import load_run_model
@@ -47,7 +48,6 @@ from support.prompts import chat_prompts, end_ids
 from support.rundir import RunFolder
 from methods.stages import Stages
 from support.util import RunError, library_versions, oneline, quiet, timed, torch_dtype
-from support.vllm import make_sampler
 
 
 def main(argv: list[str]) -> int:

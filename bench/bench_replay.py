@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from replay import ReplayConfig, make_replay
-from rollout import Rollouts
+from batch import Rollouts
 
 
 def fresh_batch(step: int, rows: int, group_size: int, length: int, g: torch.Generator) -> Rollouts:

@@ -238,7 +238,7 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
 
     import grpo
     from config import Config, update_settings
-    from rollout import Rollouts
+    from batch import Rollouts
     from support import lora
     from support.models import checkpoint_activations
 

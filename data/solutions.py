@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from data.loaders import PARSED_BYTES, json_line, jsonl_rows, machine_memory, open_regular
-from rollout import Rollouts, Row, pack
+from batch import Rollouts, Row, pack
 
 
 def read_rlep_source(path: str, problems: list, tokenizer, max_new_tokens: int) -> list[tuple]:

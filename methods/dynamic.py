@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from grpo import flat_groups
-from rollout import Rollouts
+from batch import Rollouts
 
 
 def split(fresh: Rollouts) -> tuple[Rollouts, Rollouts]:

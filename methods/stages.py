@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout import Rollouts
+from batch import Rollouts
 from support.parallel import MAX, all_ranks
 
 

@@ -11,7 +11,7 @@ from dataclasses import fields
 import torch
 
 RAGGED = ("tokens", "behav_logp")  # the (rows, max_len) fields: a checkpoint holds occupied rows
-# `replay.rows` is a rollout.Rollouts; this module reads its class from it (no import of the
+# `replay.rows` is a batch.Rollouts; this module reads its class from it (no import of the
 # reading path), as `type(replay.rows)`.
 
 

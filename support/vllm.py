@@ -1,12 +1,14 @@
 """Rollouts from vLLM (`rollout.engine: vllm`): the same `Rollouts` and texts as `rollout.generate`,
 sampled by an in-process vLLM engine that holds a copy of the policy's weights (docs/vllm.md).
+rollout.make_sampler builds it and hands it the sampling distribution (`rollout.sampling_logits`):
+nothing here imports the reading path.
 
 Same semantics as the HF path: token-id prompts, one request per sample; temperature, top-p and
 top-k from our config alone (`generation_config="vllm"`); exactly the ids of `stop` end a completion
 (`ignore_eos` plus `stop_token_ids`), the end token kept; `processed_logprobs` are the log-probs
 under the distribution actually sampled, as `_SamplingDistribution` records them. The sampling
-entropy (of that distribution, after the top-k and top-p cuts: rollout.sampling_logits) is
-measured with the trainer's model, `sampling_entropy`: the engine returns too few log-probs.
+entropy (of that distribution, after the top-k and top-p cuts) is measured with the trainer's
+model, `sampling_entropy`: the engine returns too few log-probs.
 
 Determinism: each request's seed hashes (key, prompt, sample), so no sample depends on the rest of
 the batch; the prefix cache is emptied before every phase; the global RNG streams vLLM reseeds or
@@ -27,15 +29,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from rollout import (
-    HFSampler,
-    RolloutConfig,
-    Rollouts,
-    Row,
-    entropy_of,
-    pack_groups,
-    sampling_logits,
-)
+from batch import Rollouts, Row, pack_groups
 from support import lora
 from support.logprobs import completion_logprobs
 from support.parallel import full_tensor
@@ -77,7 +71,7 @@ def request_seed(key: tuple, i: int, j: int) -> int:
 class Engine:
     """One vLLM engine in this process, for this rank's prompts (DDP/FSDP: one per rank)."""
 
-    def __init__(self, path: str, cfg: RolloutConfig, dtype: torch.dtype, device: torch.device,
+    def __init__(self, path: str, cfg, dtype: torch.dtype, device: torch.device,
                  max_model_len: int, trust_remote_code: bool = False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights pass by reference
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -138,7 +132,7 @@ class Engine:
             self.llm.wake_up()
             self.sleeping = False
 
-    def generate(self, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, stop: list[int],
+    def generate(self, tokenizer, prompts: list[list[int]], cfg, stop: list[int],
                  prompt_idx=None, step: int = 0, counts: list[int] | None = None,
                  group0: int | None = None, key: tuple = ()) -> tuple[Rollouts, list[str]]:
         """`rollout.generate`'s contract; `key` names the call for the per-request seeds."""
@@ -168,7 +162,7 @@ class Engine:
 
 
 def _row(prompt: list[int], out, stop: list[int]) -> Row:
-    """A completion as rollout.pack takes it (its entropy measured later: `sampling_entropy`)."""
+    """A completion as batch.pack takes it (its entropy measured later: `sampling_entropy`)."""
     ids = list(out.token_ids)
     logp = [d[t].logprob for d, t in zip(out.logprobs, ids, strict=True)]
     if not torch.isfinite(torch.tensor(logp)).all():
@@ -204,11 +198,11 @@ def cast(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Ite
 
 
 @torch.no_grad()
-def sampling_entropy(model, rows: Rollouts, cfg: RolloutConfig, device,
-                     chunk: int = 64) -> torch.Tensor:
-    """(B,) each row's mean token entropy of the distribution sampled (rollout.sampling_logits, as
-    HF generation records it) under `model`, `chunk` rows per forward. Without a top-k or top-p
-    cut, the chunked head gives it without a (rows, tokens, vocabulary) tensor."""
+def sampling_entropy(model, rows: Rollouts, cfg, device, logits, chunk: int = 64) -> torch.Tensor:
+    """(B,) each row's mean token entropy of the distribution sampled (`logits`, the cut logits of
+    rollout.sampling_logits, as HF generation records it) under `model`, `chunk` rows per forward.
+    Without a top-k or top-p cut, the chunked head gives it without a (rows, tokens, vocabulary)
+    tensor."""
     out = torch.empty(len(rows))
     for start in range(0, len(rows), chunk):
         part = rows.select(torch.arange(start, min(start + chunk, len(rows))))
@@ -218,21 +212,21 @@ def sampling_entropy(model, rows: Rollouts, cfg: RolloutConfig, device,
                                          part.seq_len.to(device), cfg.temperature or 1.0,
                                          with_entropy=True)  # (b, L)
         else:
-            ent = _cut_entropy(model, part, cfg, tokens)
+            ent = _cut_entropy(model, part, cfg, tokens, logits)
         mean = ent.sum(1) / part.completion_len.to(device).clamp(min=1)  # (b,)
         out[start : start + len(part)] = mean.float().cpu()
     return out
 
 
-def _cut_entropy(model, part: Rollouts, cfg: RolloutConfig, tokens: torch.Tensor) -> torch.Tensor:
+def _cut_entropy(model, part: Rollouts, cfg, tokens: torch.Tensor, logits) -> torch.Tensor:
     """(b, L) the sampled distribution's entropy at each completion token's column, 0 elsewhere."""
     mask = part.completion_mask().to(tokens.device)  # (b, L)
     attention = (torch.arange(tokens.shape[1], device=tokens.device) < part.seq_len.to(
         tokens.device)[:, None]).long()
-    logits = model(input_ids=tokens, attention_mask=attention).logits  # (b, L, V) float32
-    b, L, V = logits.shape
-    logp = torch.log_softmax(sampling_logits(logits.view(b * L, V), cfg), dim=-1)
-    ent = entropy_of(logp).view(b, L)  # column t: the distribution of token t + 1
+    scores = model(input_ids=tokens, attention_mask=attention).logits  # (b, L, V) float32
+    b, L, V = scores.shape
+    logp = torch.log_softmax(logits(scores.view(b * L, V), cfg), dim=-1)
+    ent = torch.special.entr(logp.exp()).sum(-1).view(b, L)  # column t: of token t + 1
     ent = torch.nn.functional.pad(ent[:, :-1], (1, 0))  # column t: the distribution of token t
     return torch.where(mask, ent, 0.0)
 
@@ -242,7 +236,7 @@ class VLLMSampler:
     policy's weights (LoRA: merged; FSDP: gathered one parameter at a time) into the engine."""
 
     def __init__(self, model, tokenizer, stop: list[int], engine: Engine, dtype: torch.dtype,
-                 device: torch.device, adapted: bool):
+                 device: torch.device, adapted: bool, logits):
         self.model = model
         self.tokenizer = tokenizer
         self.stop = stop
@@ -250,14 +244,15 @@ class VLLMSampler:
         self.dtype = dtype  # of the weights the engine holds
         self.device = device
         self.adapted = adapted
+        self.logits = logits  # rollout.sampling_logits: the distribution the engine samples
 
-    def generate(self, prompts: list[list[int]], cfg: RolloutConfig, prompt_idx=None,
+    def generate(self, prompts: list[list[int]], cfg, prompt_idx=None,
                  step: int = 0, counts: list[int] | None = None, group0: int | None = None,
                  key: tuple = ()) -> tuple[Rollouts, list[str]]:
         """rollout.generate's contract; `key` names the call for the per-request seeds."""
         rows, texts = self.engine.generate(self.tokenizer, prompts, cfg, self.stop, prompt_idx,
                                            step, counts, group0, key)
-        rows.entropy = sampling_entropy(self.model, rows, cfg, self.device)
+        rows.entropy = sampling_entropy(self.model, rows, cfg, self.device, self.logits)
         return rows, texts
 
     def sync(self, model) -> None:
@@ -274,14 +269,11 @@ class VLLMSampler:
         self.engine.close()
 
 
-def make_sampler(engine: str, model, tokenizer, stop: list[int], path: str, sampling: RolloutConfig,
-                 dtype: torch.dtype, longest: int, trust_remote_code: bool = False,
-                 adapted: bool = False, what: str = "rollout.engine=vllm"):
-    """The sampler set-up picks: HF generate on `model`, or with `engine` vllm a vLLM engine on
-    `path` given `model`'s weights (in `dtype`), for prompts and completions of up to `longest`
-    tokens. `what` names the setting in a RunError."""
-    if engine == "hf":
-        return HFSampler(model, tokenizer, stop)
+def make_sampler(model, tokenizer, stop: list[int], path: str, sampling, dtype: torch.dtype,
+                 longest: int, trust_remote_code: bool, adapted: bool, what: str, logits):
+    """A vLLM engine on `path` given `model`'s weights (in `dtype`), for prompts and completions of
+    up to `longest` tokens, behind the sampler's calls (rollout.make_sampler: `logits` is
+    rollout.sampling_logits). `what` names the setting in a RunError."""
     if not available():
         raise RunError(f"{what} needs vLLM (pip install -r requirements-vllm.txt)")
     device = next(model.parameters()).device
@@ -289,6 +281,6 @@ def make_sampler(engine: str, model, tokenizer, stop: list[int], path: str, samp
         llm = Engine(path, sampling, dtype, device, longest, trust_remote_code)
     except (ValueError, RuntimeError, OSError) as e:
         raise RunError(f"{what}: {type(e).__name__}: {oneline(e)}") from None
-    sampler = VLLMSampler(model, tokenizer, stop, llm, dtype, device, adapted)
+    sampler = VLLMSampler(model, tokenizer, stop, llm, dtype, device, adapted, logits)
     sampler.sync(model)
     return sampler

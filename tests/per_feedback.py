@@ -6,7 +6,7 @@ python train.py --config configs/tiny.yaml --replay.module=per_feedback
 import torch
 
 from replay import Replay
-from rollout import Rollouts
+from batch import Rollouts
 
 
 class PerFeedbackReplay(Replay):

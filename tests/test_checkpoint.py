@@ -35,7 +35,7 @@ import train
 from support.checkpoint import checkpoints
 from config import load_config, validate
 from replay import ReplayConfig, make_replay
-from rollout import Rollouts
+from batch import Rollouts
 from support import checkpoint
 from support.models import load_pretrained, save_model
 from support.util import oneline, rng_state, set_rng_state

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo import GRPOConfig, engine_rows, policy_loss
-from rollout import Rollouts
+from batch import Rollouts
 
 
 def loss_and_grad(cap: float, rows):

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 import eval as ev
 import rollout
-from rollout import HFSampler, RolloutConfig, Row, pack
+from batch import Row, pack
+from rollout import HFSampler, RolloutConfig
 
 from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 BENCH = Path(os.environ.get("SHARED_DATA_DIR", REPO.parent / "shared" / "data")) / "benchmarks"

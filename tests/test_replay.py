@@ -15,7 +15,7 @@ from config import ConfigError, load_config, validate
 from data.loaders import Problem
 from grpo import group_advantages
 from replay import STRATEGIES, Replay, ReplayConfig, make_replay
-from rollout import Rollouts
+from batch import Rollouts
 
 PAD, MAX_LEN = 0, 16
 BUILT_IN = [s for s, cls in STRATEGIES.items() if cls.__module__ == "replay"]  # none first

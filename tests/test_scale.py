@@ -28,7 +28,8 @@ import grpo
 import train
 from config import Config, load_config, update_settings, validate
 from data.build_tiny_model import build_tokenizer
-from rollout import RolloutConfig, Rollouts, generate
+from batch import Rollouts
+from rollout import RolloutConfig, generate
 from support.logprobs import completion_logprobs, token_logprobs
 from support.models import load_policy
 from support.prompts import end_ids, prompt_ids

@@ -16,7 +16,7 @@ import torch
 
 import rollout
 import train
-from rollout import Rollouts
+from batch import Rollouts
 from methods.stages import StageConfig, Stages
 from tests.test_checkpoint import ENV, MODEL, REPO, needs_model, wait_for_step, weights
 

@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 import train
 from replay import ReplayConfig, make_replay
-from rollout import RolloutConfig, Rollouts, generate
+from batch import Rollouts
+from rollout import RolloutConfig, generate
 
 try:  # the chunked output layer moves from grpo.py to support/logprobs.py
     from support import logprobs as head

@@ -26,7 +26,7 @@ import grpo
 from config import load_config, update_settings
 from data.loaders import load_problems
 from rewards import RewardConfig, score_batch
-from rollout import RolloutConfig, _SamplingDistribution
+from rollout import RolloutConfig, _SamplingDistribution, sampling_logits
 from support import vllm as vllm_engine
 from support.logprobs import token_logprobs
 from support.models import load_pretrained
@@ -168,7 +168,7 @@ def test_vllm_behaviour_logprobs_equal_the_trainers(engines, sampling):
     cfg = RolloutConfig(temperature=T, top_p=top_p, top_k=top_k, group_size=8, max_new_tokens=48)
     stop = end_ids(tok, model, True, [])
     sampler = vllm_engine.VLLMSampler(model, tok, stop, engine, torch.float32,
-                                      torch.device("cpu"), False)
+                                      torch.device("cpu"), False, sampling_logits)
     ro, texts = sampler.generate(tiny_prompts(tok, 32), cfg, key=("lp",))
     logp, entropy = trainer_sampling(model, ro, cfg)
     m = ro.completion_mask()
@@ -217,7 +217,7 @@ def test_vllm_sync_after_an_update(engines):
                                           torch.device("cpu"))
     assert skipped == [None]
     sampler = vllm_engine.VLLMSampler(policy, tok, stop, engine, torch.float32,
-                                      torch.device("cpu"), False)
+                                      torch.device("cpu"), False, sampling_logits)
     calls, real_sync = [], engine.sync
     engine.sync = lambda weights: calls.append(1) or real_sync(weights)
     probe = RolloutConfig(group_size=4, max_new_tokens=32)
