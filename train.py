@@ -34,6 +34,7 @@ from data.loaders import load_task, prompt_stream
 from eval import run_eval
 from methods import dynamic
 from methods.lookahead import make_lookahead
+from metrics import log_row
 from replay import make_replay, sizes
 from rewards import overlong_penalty, score_batch
 from rollout import make_sampler
@@ -70,11 +71,6 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-
-# The update's counts that progress sums: tokens and rows trained, tokens of its forward-backward
-# passes (every pass over the batch) and of its no-grad passes (π_old, the reference)
-COUNTERS = {"trained_tokens": "tokens", "trained_rows": "rows", "fwd_bwd_tokens": "tokens/fwd_bwd",
-            "no_grad_tokens": "tokens/no_grad"}
 
 # ------------------------------------------------------------------------------------- set-up
 
@@ -263,7 +259,8 @@ def loop(r: Run) -> int:
         # 6. Replay push: the batch, with each row's entropy from the update
         with timed(t, "replay_push"):
             r.replay.push(batch, step, entropy)
-        # 7. One metrics line, written after 8., the eval every eval.every steps and at the end
+        # 7. One metrics line (metrics.py), written after 8., the eval every eval.every steps and
+        # at the end
         p["step"] = step + 1
         local = {**adv_metrics, **rollout_metrics, **r.replay.metrics(), **r.skip.metrics()}
         p["pending_row"] = log_row(r, step, groups, batch, update, skipped, local, t)
@@ -392,47 +389,6 @@ def reward(r: Run, fresh: Rollouts, texts: list[str]) -> tuple:
     rewards, correct, metrics = score_batch(texts, golds, r.cfg.reward)
     penalty = overlong_penalty(fresh.completion_len, r.cfg.rollout.max_new_tokens, r.cfg.reward)
     return torch.tensor(rewards) + penalty, torch.tensor(correct, dtype=torch.bool), metrics
-
-
-def log_row(r: Run, step: int, fresh: Rollouts, batch: Rollouts, update: dict, skipped: list,
-            local: dict, t: dict) -> dict:
-    """One metrics line: fresh rows' statistics summed over ranks, the update's metrics, this rank's
-    own ones (advantages, verifier, replay, dynamic sampling) averaged over ranks, phase times."""
-    p = r.progress
-    n = fresh.completion_len.double()
-    sums = {"tokens": n.sum(), "rows": torch.tensor(len(fresh)),
-            "reward": fresh.reward.double().sum(), "correct": fresh.correct.sum(),
-            "truncated": fresh.truncated.sum(), "entropy": (fresh.entropy.double() * n).sum(),
-            "replayed": batch.replayed.sum(),
-            "replayed_tokens": batch.completion_len[batch.replayed].sum(),
-            "batch_tokens": batch.completion_len.sum()}
-    s = dict(zip(sums, all_ranks(torch.stack(list(sums.values())).double())))
-    keys = sorted(local)
-    means = all_ranks(torch.tensor([float(local[k]) for k in keys])) / r.world
-    for counter, key in COUNTERS.items():  # the update's compute, summed over the run
-        p[counter] += int(update[key])
-    for reason in filter(None, skipped):
-        p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # older checkpoints lack "gated"
-    row = {"step": step + 1,
-           "generated_tokens": p["generated_tokens"],
-           "tokens/trained": p["trained_tokens"],
-           "tokens/fwd_bwd": p["fwd_bwd_tokens"],
-           "tokens/no_grad": p["no_grad_tokens"],
-           "tokens/generated_total": p["generated_tokens"] + p["source_tokens"],
-           "reward_mean": (s["reward"] / s["rows"]).item(),
-           "correct_mean": (s["correct"] / s["rows"]).item(),
-           "response_len": (s["tokens"] / s["rows"]).item(),
-           "truncated_frac": (s["truncated"] / s["rows"]).item(),
-           "entropy/fresh": (s["entropy"] / s["tokens"].clamp(min=1)).item(),
-           "replay/rows": int(s["replayed"]),
-           "replay/token_share": (s["replayed_tokens"] / s["batch_tokens"].clamp(min=1)).item()}
-    row |= {k: v for k, v in update.items() if k not in COUNTERS.values()}
-    row |= dict(zip(keys, means.tolist()))
-    row["lr"] = r.optimizer.param_groups[0]["lr"]
-    row |= {f"skipped/{k}": v for k, v in p["skipped"].items()}
-    row |= {f"time/{k}": v for k, v in t.items()}
-    row["time/step"] = sum(t.values())
-    return row
 
 
 if __name__ == "__main__":
