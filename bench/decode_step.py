@@ -19,8 +19,9 @@ reported, with useful tokens/s = rows / step time. Per decode step, also: "ops" 
 dispatched that compute (a TorchDispatchMode; views aside, which launch no kernel; on a GPU each
 of the others is a kernel launch; counted eagerly, so not for `static`), "cat MB" the bytes
 `cat` writes (HF's cache copies every layer's K and V at every token), "hooks" FSDP's
-forward-hook events (torch's profiler). Prompts are random token ids, no end token: every row
-runs T tokens. bf16: FSDP's mixed-precision policy (float32 masters), autocast for `plain`.
+forward-hook events (torch's profiler). Prompts are random token ids (--ragged: of several
+lengths, so left padding and a mask, as in training), no end token: every row runs T tokens.
+bf16: FSDP's mixed-precision policy (float32 masters), autocast for `plain`.
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--ragged", action="store_true",
+                    help="prompts of 1/2 to all of --prompt-tokens (left padding: a mask, as in "
+                    "training), not all of one length")
     ap.add_argument("--tokens", default="16,96", help="T1,T2 new tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -170,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = build_tokenizer()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, len(tok), (a.rows, a.prompt_tokens), generator=g).tolist()
+    if a.ragged:
+        lengths = torch.randint(a.prompt_tokens // 2, a.prompt_tokens + 1, (a.rows,), generator=g)
+        prompts = [p[:n] for p, n in zip(prompts, lengths.tolist())]
     models, compute = {}, {}
     if {"before", "hooks_off", "after", "static"} & set(arms):
         sharded = shard(qwen_like(a.shape, a.layers, a.vocab, a.device), dtype)
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = next(iter(models.values())).config.num_hidden_layers
     shape = f"Qwen2.5-{a.shape}-like, {layers} layers, vocabulary {a.vocab}, {a.dtype}"
     result = {"shape": shape, "rows": a.rows, "prompt_tokens": a.prompt_tokens,
+              "ragged": a.ragged,
               "tokens": [t1, t2], "device": str(device), "threads": a.threads,
               "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
               "repeats": a.repeats, "arms": {}, "failed": failed}

@@ -385,16 +385,16 @@ DECODE_TARGET = 10_000  # useful tokens/s at Qwen2.5-1.5B's shape, 128 rows (iss
 
 
 def decode_step(a, report: Report, cap: float) -> dict:
-    """bench/decode_step.py at Qwen2.5-1.5B's shape, 128 rows, prompts of 512: decode tokens/s
+    """bench/decode_step.py at Qwen2.5-1.5B's shape, 128 rows, prompts of 256-512: decode tokens/s
     before (FSDP hooks on, HF's cache), after (hooks off, the in-place cache) and with
     rollout.static_cache (transformers compiles the step: CUDA graphs), in one run. Passes when
     every arm ran and the best reaches DECODE_TARGET."""
     sizes = ["--shape", "1.5b", "--layers", "0", "--rows", "128", "--prompt-tokens", "512",
-             "--tokens", "32,288", "--dtype", "bfloat16", "--device", "cuda", "--repeats", "1",
-             "--arms", "before,after,static"]
+             "--ragged", "--tokens", "32,288", "--dtype", "bfloat16", "--device", "cuda",
+             "--repeats", "1", "--arms", "before,after,static"]
     if a.dry_run:
-        sizes = ["--layers", "2", "--vocab", "4096", "--rows", "4", "--tokens", "4,12",
-                 "--repeats", "1", "--arms", "before,after,static"]
+        sizes = ["--layers", "2", "--vocab", "4096", "--rows", "4", "--ragged", "--tokens",
+                 "4,12", "--repeats", "1", "--arms", "before,after,static"]
     out = Path(a.work) / "decode_step.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(REPO / "bench" / "decode_step.py"), *sizes, "--json", str(out)]
