@@ -73,7 +73,8 @@ def test_every_tiny_config_runs(tmp_path, name):
     strategy = json.loads((out / "summary.json").read_text())["strategy"]
     no_replay = ("dynamic", "epochs2", "epochs4", "gated", "lora", "skip", "stages", "sfpo", "gxpo",
                  "gxpo_nogate", "none_lr2x", "none_lr4x")
-    composed = {"skip_aper": "aper", "skip_uniform": "uniform"}  # skipping with a replay strategy
+    # skipping with a replay strategy (and GXPO's update)
+    composed = {"skip_aper": "aper", "skip_uniform": "uniform", "gxpo_nogate_skip_aper": "aper"}
     expected = composed.get(name, name)
     if name in no_replay:
         expected = "none"
