@@ -57,18 +57,21 @@ SHAPES = {  # hidden, heads, KV heads, MLP, layers (Qwen2.5's configs)
 
 
 class CountOps(TorchDispatchMode):
-    """Counts the aten operators dispatched inside it that compute (views aside: no kernel), and
-    the bytes `cat` writes."""
+    """Counts the aten operators dispatched inside it: those that compute (`n`, views aside: no
+    kernel), each operator's calls by name (`calls`), and the bytes `cat` writes."""
 
     def __init__(self):
         super().__init__()
         self.n = 0
+        self.calls = {}
         self.cat_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
         self.n += not func.is_view
-        if func.overloadpacket.__name__ == "cat":
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if name == "cat":
             self.cat_bytes += out.numel() * out.element_size()
         return out
 

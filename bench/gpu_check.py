@@ -297,7 +297,6 @@ def gap_stats(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, cfg) 
 def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: dict) -> list[str]:
     """(c) and (e): the gap on the training path, one AdamW step at lr 1e-6, and its gradient norm
     against a float32 model without FSDP or autocast."""
-    import grpo
     from config import update_settings
     from grpo import no_grad_logprobs
 
@@ -316,17 +315,14 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
 
     optimizer.register_step_pre_hook(record)
     reset_peak()
-    sync()
-    t0 = time.time()
-    metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, policy, optimizer, batch,
-                                          device, compute)
-    sync()
+    metrics, tps = timed_update(cfg, model, policy, optimizer, batch, device, compute)  # cold
     peaks["training"] = peak_bytes()
-    tps = int(batch.seq_len.sum()) / (time.time() - t0)
     hit = sum(int(((local(params[i].detach()).cpu() != before[i]) & m).sum())
               for i, m in live.items())
     moved = hit / max(1, sum(int(m.sum()) for m in live.values()))
-    warm = warm_tokens_per_s(cfg, model, policy, optimizer, batch, device, compute)
+    # a second update on the same batch (lr 1e-6 again): warm, with the allocator's blocks, the
+    # optimizer's state and any compiled kernels already in place
+    _, warm = timed_update(cfg, model, policy, optimizer, batch, device, compute)
     ref_norm = math.nan if a.lora else reference_grad_norm(cfg, path, batch, device)
     rel, gap = abs(metrics["grad_norm"] / ref_norm - 1), metrics["rollout/logp_gap_mean"]
     trained = sum(p.numel() for p in params if p.requires_grad)
@@ -453,17 +449,18 @@ def memory_check(cfg, shape, peaks: dict, a) -> list[str]:
     return failures
 
 
-def warm_tokens_per_s(cfg, model, policy, optimizer, batch, device, compute) -> float:
-    """Tokens/s of a second update on the same batch (lr 1e-6 again): warm, with the allocator's
-    blocks, the optimizer's state and any compiled kernels already in place."""
+def timed_update(cfg, model, policy, optimizer, batch, device, compute) -> tuple[dict, float]:
+    """grpo.update_policy on `batch`: its metrics, and the tokens of the batch per second it
+    took."""
     import grpo
     from config import update_settings
 
     sync()
     t0 = time.time()
-    grpo.update_policy(update_settings(cfg), model, policy, optimizer, batch, device, compute)
+    metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, policy, optimizer, batch,
+                                          device, compute)
     sync()
-    return int(batch.seq_len.sum()) / (time.time() - t0)
+    return metrics, int(batch.seq_len.sum()) / (time.time() - t0)
 
 
 def mfu_figures(model, tps: float, a) -> dict:

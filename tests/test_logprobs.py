@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import grpo
 import rollout
+from bench.decode_step import CountOps
 from bench.gpu_check import counting_all_gathers
 from config import update_settings
 from data.build_tiny_model import build_tokenizer
@@ -276,19 +277,6 @@ def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
     torch.manual_seed(0)
     generate(model, tok, prompts, cfg, [])
     assert caches[-1].layers[0].keys.dtype == torch.float32  # no autocast: the model's own dtype
-
-
-class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """How many times each aten operator is dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 7, "top_p": 0.9}],
