@@ -222,6 +222,7 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
 
     hook = hf_module(model).register_forward_pre_hook(keep_cache, with_kwargs=True)
     reset_peak()
+    torch.manual_seed(0)  # the samples too are seeded: a rerun checks the same batch
     with generation(model, compute):
         sync()
         t0 = time.time()
