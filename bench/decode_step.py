@@ -5,7 +5,9 @@ with the HF engine, at a real model's shape (random weights):
   hooks_off  FSDP2 at world size 1 as `parallel.generation` runs it now (hooks off), HF's cache
   after      hooks off and the KV cache written in place (support.logprobs._KVCache): today's path
   static     as after with rollout.static_cache: transformers' StaticCache, and on a GPU the
-             decode step compiled (torch.compile, CUDA graphs)
+             decode step compiled (torch.compile, CUDA graphs); --compile-anywhere: compiled on
+             this device too (transformers' compile config for every device), which proves the
+             path a GPU takes on a CPU
   plain      one process, no FSDP, today's cache
 
   python bench/decode_step.py                    # 0.5b shape, 2 layers, 4 rows: the CPU default
@@ -115,7 +117,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bool) -> tuple:
+def compiled_everywhere(model, length: int, static: bool = False) -> dict:
+    """`rollout.kv_cache` with static=True, plus transformers' compile config for every device
+    (`generate` compiles the decode step on a GPU only, unless told)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bool,
+        anywhere: bool = False) -> tuple:
     """(seconds, aten ops, bytes `cat` wrote, FSDP forward-hook events) of one `generate`."""
     cfg = RolloutConfig(group_size=1, max_new_tokens=new_tokens, gen_batch_size=len(prompts),
                         static_cache=arm == "static")
@@ -124,6 +137,8 @@ def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bo
         parallel._forward_hooks_off = keep_hooks_on
     if arm in ("before", "hooks_off"):
         rollout.kv_cache = hf_cache
+    if arm == "static" and anywhere:
+        rollout.kv_cache = compiled_everywhere
     ops, hooks = CountOps(), 0
     device = next(model.parameters()).device
     try:
@@ -163,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-count", action="store_true", help="skip the op and hook counts")
+    ap.add_argument("--compile-anywhere", action="store_true",
+                    help="static: compile the decode step on this device too (a CPU)")
     ap.add_argument("--json", default="", help="also write the figures here")
     a = ap.parse_args(argv)
     t1, t2 = map(int, a.tokens.split(","))
@@ -192,17 +209,25 @@ def main(argv: list[str] | None = None) -> int:
             compute["plain"] = torch.autocast(device.type, dtype=torch.bfloat16)
     step = {arm: [] for arm in arms}
     failed = {}
-    for arm in list(arms):  # warm-up (the static arm compiles here on a GPU); a failure: its line
+    # warm-up; the static arm at both lengths: its cache's shape is the prompt + T, so it compiles
+    # (and captures its CUDA graphs) for T1 and for T2 here, not while timed
+    for arm in list(arms):  # a failure: its line, and the other arms go on
+        lengths = (t2,)
+        if arm == "static":
+            lengths = (t1, t2)
         try:
-            one(models[arm], tok, prompts, t2, arm, compute[arm], False)
+            for t in lengths:
+                one(models[arm], tok, prompts, t, arm, compute[arm], False, a.compile_anywhere)
         except Exception as e:
             failed[arm] = f"{type(e).__name__}: {str(e)[:300]}"
             arms.remove(arm)
             print(f"{arm}: failed: {failed[arm]}", flush=True)
     for _ in range(a.repeats):
         for arm in arms:
-            short = one(models[arm], tok, prompts, t1, arm, compute[arm], False)[0]
-            long = one(models[arm], tok, prompts, t2, arm, compute[arm], False)[0]
+            short = one(models[arm], tok, prompts, t1, arm, compute[arm], False,
+                        a.compile_anywhere)[0]
+            long = one(models[arm], tok, prompts, t2, arm, compute[arm], False,
+                       a.compile_anywhere)[0]
             step[arm].append((long - short) / (t2 - t1))
     layers = next(iter(models.values())).config.num_hidden_layers
     shape = f"Qwen2.5-{a.shape}-like, {layers} layers, vocabulary {a.vocab}, {a.dtype}"
@@ -210,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
               "ragged": a.ragged,
               "tokens": [t1, t2], "device": str(device), "threads": a.threads,
               "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
-              "repeats": a.repeats, "arms": {}, "failed": failed}
+              "repeats": a.repeats, "arms": {}, "failed": failed,
+              "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
     print(f"{shape}, {a.rows} rows, prompts of {a.prompt_tokens}, {device}, torch "

@@ -593,8 +593,8 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     """bench/gpu_run.py --dry-run (#41): every step of the GPU script at toy sizes on this CPU,
     proven before a GPU's minutes are spent: its JSON has each step passed, with the figures the
     GPU run reports (the tiny run's gain, the resume's identical weights, the update's tokens/s
-    cold and warm with its MFU, decode tokens/s before and after, the chunked head's
-    difference)."""
+    cold and warm with its MFU, decode tokens/s before and after and compiled, the chunked
+    head's difference)."""
     cmd = [sys.executable, "bench/gpu_run.py", "--dry-run", "--out", str(tmp_path / "out"),
            "--work", str(tmp_path / "work")]
     r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900,
@@ -610,7 +610,10 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     arms = steps["decode"]["arms"]
     assert arms["before"]["hooks_per_step"] > 0 == arms["after"]["hooks_per_step"]
     assert arms["after"]["cat_mb_per_step"] < arms["before"]["cat_mb_per_step"]
-    assert arms["static"]["tokens_per_s"] > 0 and not steps["decode"]["failed"]
+    # the static arm ran, compiled as on a GPU (its tokens/s here is noise: 8 tokens' difference
+    # of two compiled calls on a loaded CPU can be negative)
+    assert "static" in arms and not steps["decode"]["failed"]
+    assert steps["decode"]["compiled_graphs"] >= 1
     assert steps["lora"]["update"]["trained_params"] < steps["lora"]["update"]["params"]
     assert steps["full"]["chunked_head"]["max_abs_diff"] < 1e-4
     assert "cpu:gloo" in steps["check"]["rank_check"]["backend_map"]
