@@ -223,6 +223,7 @@ def test_degenerate_lookahead_is_grpo_bit_for_bit(tmp_path, degenerate, active):
         assert torch.equal(v, reliability.weights(out / "final")[k]), k
 
 
+@pytest.mark.long
 @reliability.needs_model
 @pytest.mark.parametrize("method", ["sfpo", "gxpo"])
 def test_lookahead_sigkill_inside_the_passes_then_resume_is_bit_identical(tmp_path, method):

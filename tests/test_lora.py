@@ -326,6 +326,7 @@ def test_lora_torchrun_first_update_equals_single_process(tmp_path, mode):
         assert 0 < int(changed.sum()) <= n_adapter, "only adapter weights moved"
 
 
+@pytest.mark.long
 def test_lora_torchrun_fsdp_train_with_kl_checkpoints_and_resumes(tmp_path):
     """train.py under torchrun with FSDP2, LoRA and the KL term (reference = adapters off): the
     base is sharded, checkpoints hold the gathered adapters, --resume continues, and final/ holds

@@ -234,6 +234,7 @@ def test_sigterm_during_the_first_eval_checkpoints_step_0_and_resume_is_bit_iden
     assert_same_run(dynamic_reference, out)
 
 
+@pytest.mark.long
 @needs_model
 def test_sigterm_during_a_long_eval_checkpoints_its_step_and_resume_is_bit_identical(
         dynamic_reference, tmp_path):
@@ -369,6 +370,7 @@ def test_torchrun_sigterm_to_one_rank_during_a_long_eval_stops_both(torchrun_ref
     assert_same_run(torchrun_reference, out)
 
 
+@pytest.mark.long
 @needs_model
 @pytest.mark.parametrize("call", [1, 2], ids=["generation", "dynamic_sampling_round_2"])
 def test_torchrun_sigterm_to_the_launcher_during_a_long_generation_stops_every_rank(

@@ -302,6 +302,7 @@ def test_a_small_lr_moves_every_weight_with_bf16_compute():
     assert total > 1000 and moved / total >= 0.99
 
 
+@pytest.mark.long
 def test_real_model_settings_run_train(model_dir, tmp_path, monkeypatch):
     """train.py end to end with every real-model key on (bf16 compute, gradient checkpointing,
     torch.compile, separate generation / log-prob / training batch sizes, two optimizer steps per
@@ -455,6 +456,7 @@ def test_run_capped_returns_the_output_or_stops_at_its_cap():
     assert run_capped([sys.executable, "-c", code, "600"], 2)[0] is None
     assert time.time() - t0 < 30
 
+@pytest.mark.long
 def test_fsdp_sigkill_then_resume_is_bit_identical(tmp_path):
     """model.parallel=fsdp on 2 processes: a run killed (SIGKILL, every process) after step 3 and
     resumed from its step-2 checkpoint ends with the same metrics and bit-identical weights as an
@@ -568,6 +570,7 @@ def test_gpu_check_without_a_gpu_prints_one_line_and_exits_2():
             and not r.stderr.strip())
 
 
+@pytest.mark.long
 def test_gpu_check_logic_on_the_cpu():
     """The same checks on this CPU through a hidden flag (gloo instead of NCCL, no memory check):
     train.py under torchrun with FSDP at world size 1, resumed, final/ loaded; no all-gather inside
@@ -589,6 +592,7 @@ def test_gpu_check_logic_on_the_cpu():
     assert r.returncode == 1 and "gpu_check: FAILED ((c) mean gap" in r.stdout
 
 
+@pytest.mark.long
 def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     """bench/gpu_run.py --dry-run (#41): every step of the GPU script at toy sizes on this CPU,
     proven before a GPU's minutes are spent: its JSON has each step passed, with the figures the

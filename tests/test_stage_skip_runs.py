@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import rollout
@@ -34,6 +35,7 @@ def lines(out) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VARY)} for r in rows]
 
 
+@pytest.mark.long
 @needs_model
 def test_skip_and_stages_resume_after_sigkill_is_bit_identical(tmp_path):
     ref = tmp_path / "ref"
