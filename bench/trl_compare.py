@@ -6,6 +6,7 @@ Usage:
   python bench/trl_compare.py  # configs/tiny.yaml, 30 steps, 2 rounds (ours, TRL, TRL, ours)
   python bench/trl_compare.py --steps 10 --rounds 1 --model.path=/tmp/model \
       --optim.micro_batch_size=64
+  python bench/trl_compare.py --before /tmp/before  # and another checkout's train.py, alternating
 
 Both sides read one resolved config (the file plus any --key=value overrides, as train.py does), so
 they share the model, the training problems, prompts × group size, max_new_tokens,
@@ -43,23 +44,26 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONPATH": str(REPO)}
 
 
-def run(cmd: list[str], log: Path) -> int:
-    """Run `cmd`; returns the peak resident set size of the process in MB (os.wait4 reports it per
-    child)."""
+def run(cmd: list[str], log: Path, tree: Path = REPO) -> int:
+    """Run `cmd` in the checkout `tree`; returns the peak resident set size of the process in MB
+    (os.wait4 reports it per child)."""
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, cwd=tree, env=ENV | {"PYTHONPATH": str(tree)}, stdout=f,
+                             stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(p.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{log.read_text()[-3000:]}")
     return usage.ru_maxrss // 1024
 
 
-def ours(config: str, overrides: list[str], steps: int, seed: int, out: Path) -> dict:
+def ours(config: str, overrides: list[str], steps: int, seed: int, out: Path,
+         tree: Path = REPO) -> dict:
+    """train.py of the checkout `tree` (this one, or --before's)."""
     cmd = [sys.executable, "train.py", "--config", config, *overrides, f"--out_dir={out}",
            f"--max_steps={steps}", f"--seed={seed}",
            "--replay.strategy=none", "--eval.every=0", "--checkpoint.every=0",
            "--wandb.mode=disabled", "--overwrite"]
-    rss = run(cmd, out.with_suffix(".log"))
+    rss = run(cmd, out.with_suffix(".log"), tree)
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     step_times = [r["time/step"] for r in rows]
@@ -186,16 +190,26 @@ def main() -> None:
                     help="each round runs both sides; the order alternates (ABBA...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--before", default="", help="another checkout (e.g. `git worktree add "
+                    "/tmp/before REV`): its train.py runs as a third side, `before`, in each round")
     a, overrides = ap.parse_known_args()
     overrides += [f"--threads={os.environ.get('BENCH_THREADS', '1')}"]
     root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="trl_compare_"))
     root.mkdir(parents=True, exist_ok=True)
-    results = {"ours": [], "trl": []}
+    sides = ["ours", "trl"]
+    if a.before:
+        sides.append("before")
+    results = {side: [] for side in sides}
     for r in range(a.rounds):
-        for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
-            fn = ours if side == "ours" else trl
+        order = sides if r % 2 == 0 else sides[::-1]  # ABC CBA ...
+        for side in order:
             t0 = time.time()
-            res = fn(a.config, overrides, a.steps, a.seed + r, root / f"{side}_{r}")
+            out = root / f"{side}_{r}"
+            if side == "trl":
+                res = trl(a.config, overrides, a.steps, a.seed + r, out)
+            else:
+                tree = Path(a.before).resolve() if side == "before" else REPO
+                res = ours(a.config, overrides, a.steps, a.seed + r, out, tree)
             results[side].append(res)
             print(f"round {r} {side:4s}: median step "
                   f"{statistics.median(res['step_times']):.2f}s, "
@@ -209,6 +223,12 @@ def main() -> None:
                             ("generated tokens / s", "tokens_per_s", ".0f")]:
         print(f"{label:28s}{s_ours[key]:12{fmt}}{s_trl[key]:12{fmt}}"
               f"{s_ours[key] / s_trl[key]:10.2f}")
+    if a.before:
+        s_before = summarize(results["before"])
+        print(f"before ({a.before}): median step {s_before['median_step']:.2f} s, "
+              f"{s_before['tokens_per_s']:.0f} generated tokens/s, before/TRL "
+              f"{s_before['median_step'] / s_trl['median_step']:.2f}, after/before "
+              f"{s_ours['median_step'] / s_before['median_step']:.2f}")
     print(f"{'peak resident memory (MB)':28s}{s_ours['rss_mb']:12d}{s_trl['rss_mb']:12d}"
           f"{s_ours['rss_mb'] / s_trl['rss_mb']:10.2f}")
     print(f"{'eval accuracy after':28s}{s_ours['acc_final']:12.3f}{s_trl['acc_final']:12.3f}"
