@@ -22,7 +22,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from batch import Rollouts, Row, pack_groups
 from support import vllm
-from support.logprobs import kv_cache, use_chunked_head
+from support.logprobs import kv_cache, packed_gqa, use_chunked_head
 from support.parallel import hf_module
 from support.preempt import Interrupted, StopRequested, should_stop
 from support.util import mode
@@ -62,6 +62,10 @@ class RolloutConfig:
     """hf: a fixed-size KV cache, with which transformers compiles the decode step on a GPU
     (torch.compile, CUDA graphs: far less host time a token). Samples agree with the default
     cache's within float tolerance, not bit for bit (docs/gpu.md)."""
+    pack_gqa: bool = False
+    """hf: at each decode step, attention reads the cached K and V as they are, the query heads
+    that share a KV head packed together, instead of transformers' copy of them per head
+    (`support.logprobs.packed_gqa`). Samples agree within float tolerance (docs/gpu.md)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm, GPU: share of GPU memory the engine may take for weights and KV cache (vLLM's)."""
     vllm_kv_cache_gb: float = 0.0
@@ -85,6 +89,8 @@ class RolloutConfig:
             "engine": (self.engine in ("hf", "vllm"), "hf or vllm"),
             "static_cache": (not self.static_cache or self.engine == "hf",
                              "false with engine vllm (the engine keeps its own cache)"),
+            "pack_gqa": (not self.pack_gqa or self.engine == "hf",
+                         "false with engine vllm (the engine runs its own attention)"),
             "vllm_gpu_memory_utilization": (0 < self.vllm_gpu_memory_utilization <= 1, "in (0, 1]"),
             "vllm_kv_cache_gb": (0 <= self.vllm_kv_cache_gb < 1e6, "≥ 0 (0 = automatic)"),
         }
@@ -162,7 +168,7 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     use_chunked_head(model)  # float32 logits, as the training pass computes them
     rows = []
     try:
-        with mode(model, training=False):
+        with mode(model, training=False), packed_gqa(cfg.pack_gqa):
             for start in range(0, len(expanded), cfg.gen_batch_size):
                 chunk = expanded[start : start + cfg.gen_batch_size]
                 rows += _sample(model, tokenizer, chunk, cfg, stop)

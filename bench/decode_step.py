@@ -8,6 +8,9 @@ with the HF engine, at a real model's shape (random weights):
              decode step compiled (torch.compile, CUDA graphs); --compile-anywhere: compiled on
              this device too (transformers' compile config for every device), which proves the
              path a GPU takes on a CPU
+  packed     as after with rollout.pack_gqa: a decode step's attention on the KV heads, K and V
+             never expanded per query head (support.logprobs.packed_gqa)
+  static_packed  static and packed together
   plain      one process, no FSDP, today's cache
 
   python bench/decode_step.py                    # 0.5b shape, 2 layers, 4 rows: the CPU default
@@ -20,7 +23,8 @@ cancels (and, warmed up, compilation); the arms alternate within each repeat and
 reported, with useful tokens/s = rows / step time. Per decode step, also: "ops" the aten operators
 dispatched that compute (a TorchDispatchMode; views aside, which launch no kernel; on a GPU each
 of the others is a kernel launch; counted eagerly, so not for `static`), "cat MB" the bytes
-`cat` writes (HF's cache copies every layer's K and V at every token), "hooks" FSDP's
+`cat` writes (HF's cache copies every layer's K and V at every token), "clone MB" the bytes
+`clone` writes (transformers' `repeat_kv` copies K and V per query head), "hooks" FSDP's
 forward-hook events (torch's profiler). Prompts are random token ids (--ragged: of several
 lengths, so left padding and a mask, as in training), no end token: every row runs T tokens.
 bf16: FSDP's mixed-precision policy (float32 masters), autocast for `plain`.
@@ -51,7 +55,8 @@ from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig
 from support import parallel
 
-ARMS = ("before", "hooks_off", "after", "static", "plain")
+ARMS = ("before", "hooks_off", "after", "packed", "static", "static_packed", "plain")
+SHARDED = ARMS[:-1]  # (plain: one process, no FSDP)
 SHAPES = {  # hidden, heads, KV heads, MLP, layers (Qwen2.5's configs)
     "0.5b": (896, 14, 2, 4864, 24),
     "1.5b": (1536, 12, 2, 8960, 28),
@@ -60,13 +65,15 @@ SHAPES = {  # hidden, heads, KV heads, MLP, layers (Qwen2.5's configs)
 
 class CountOps(TorchDispatchMode):
     """Counts the aten operators dispatched inside it: those that compute (`n`, views aside: no
-    kernel), each operator's calls by name (`calls`), and the bytes `cat` writes."""
+    kernel), each operator's calls by name (`calls`), and the bytes `cat` and `clone` write
+    (`clone`: what reshaping an expanded tensor copies, as transformers' `repeat_kv` does)."""
 
     def __init__(self):
         super().__init__()
         self.n = 0
         self.calls = {}
         self.cat_bytes = 0
+        self.clone_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -75,6 +82,8 @@ class CountOps(TorchDispatchMode):
         self.calls[name] = self.calls.get(name, 0) + 1
         if name == "cat":
             self.cat_bytes += out.numel() * out.element_size()
+        if name == "clone":
+            self.clone_bytes += out.numel() * out.element_size()
         return out
 
 
@@ -129,15 +138,16 @@ def compiled_everywhere(model, length: int, static: bool = False) -> dict:
 
 def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bool,
         anywhere: bool = False) -> tuple:
-    """(seconds, aten ops, bytes `cat` wrote, FSDP forward-hook events) of one `generate`."""
+    """(seconds, aten ops, bytes `cat` wrote, FSDP forward-hook events, bytes `clone` wrote) of
+    one `generate`."""
     cfg = RolloutConfig(group_size=1, max_new_tokens=new_tokens, gen_batch_size=len(prompts),
-                        static_cache=arm == "static")
+                        static_cache=arm.startswith("static"), pack_gqa=arm.endswith("packed"))
     real = parallel._forward_hooks_off, rollout.kv_cache
     if arm == "before":
         parallel._forward_hooks_off = keep_hooks_on
     if arm in ("before", "hooks_off"):
         rollout.kv_cache = hf_cache
-    if arm == "static" and anywhere:
+    if arm.startswith("static") and anywhere:
         rollout.kv_cache = compiled_everywhere
     ops, hooks = CountOps(), 0
     device = next(model.parameters()).device
@@ -149,7 +159,7 @@ def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bo
                 t0 = time.perf_counter()
                 rollout.generate(model, tok, prompts, cfg, [])
                 sync(device)
-                return time.perf_counter() - t0, 0, 0, 0
+                return time.perf_counter() - t0, 0, 0, 0, 0
             activities = [torch.profiler.ProfilerActivity.CPU]
             with torch.profiler.profile(activities=activities) as prof, ops:
                 rollout.generate(model, tok, prompts, cfg, [])
@@ -157,7 +167,7 @@ def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bo
                 hooks += event.name.startswith("FSDP::") and "forward" in event.name
     finally:
         parallel._forward_hooks_off, rollout.kv_cache = real
-    return 0.0, ops.n, ops.cat_bytes, hooks
+    return 0.0, ops.n, ops.cat_bytes, hooks, ops.clone_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         lengths = torch.randint(a.prompt_tokens // 2, a.prompt_tokens + 1, (a.rows,), generator=g)
         prompts = [p[:n] for p, n in zip(prompts, lengths.tolist())]
     models, compute = {}, {}
-    if {"before", "hooks_off", "after", "static"} & set(arms):
+    if set(SHARDED) & set(arms):
         sharded = shard(qwen_like(a.shape, a.layers, a.vocab, a.device), dtype)
-        models = dict.fromkeys(("before", "hooks_off", "after", "static"), sharded)
+        models = dict.fromkeys(SHARDED, sharded)
         compute = dict.fromkeys(models, nullcontext())
     if "plain" in arms:
         models["plain"] = qwen_like(a.shape, a.layers, a.vocab, a.device)
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     # (and captures its CUDA graphs) for T1 and for T2 here, not while timed
     for arm in list(arms):  # a failure: its line, and the other arms go on
         lengths = (t2,)
-        if arm == "static":
+        if arm.startswith("static"):
             lengths = (t1, t2)
         try:
             for t in lengths:
@@ -241,22 +251,24 @@ def main(argv: list[str] | None = None) -> int:
         result["gpu"] = torch.cuda.get_device_name()
     print(f"{shape}, {a.rows} rows, prompts of {a.prompt_tokens}, {device}, torch "
           f"{torch.__version__}, transformers {result['transformers']}, {a.repeats} repeats")
-    print(f"{'arm':<10} {'ms/step':>8} {'range':>15} {'tokens/s':>9} {'ops':>7} {'cat MB':>8} "
-          f"{'hooks':>6}")
+    print(f"{'arm':<13} {'ms/step':>8} {'range':>15} {'tokens/s':>9} {'ops':>7} {'cat MB':>8} "
+          f"{'hooks':>6} {'clone MB':>9}")
     for arm in arms:
         ms = [1000 * s for s in step[arm]]
         row = {"ms_per_step": statistics.median(ms), "min": min(ms), "max": max(ms),
                "tokens_per_s": a.rows / statistics.median(step[arm])}
         counted = "  (not counted)"
-        if not a.no_count and arm != "static":  # (counted eagerly: a compiled step is not)
+        # (counted eagerly: a compiled step is not)
+        if not a.no_count and not arm.startswith("static"):
             counts = [one(models[arm], tok, prompts, t, arm, compute[arm], True) for t in (t1, t2)]
             row["ops_per_step"] = (counts[1][1] - counts[0][1]) / (t2 - t1)
             row["cat_mb_per_step"] = (counts[1][2] - counts[0][2]) / (t2 - t1) / 2**20
             row["hooks_per_step"] = (counts[1][3] - counts[0][3]) / (t2 - t1)
+            row["clone_mb_per_step"] = (counts[1][4] - counts[0][4]) / (t2 - t1) / 2**20
             counted = (f" {row['ops_per_step']:7.1f} {row['cat_mb_per_step']:8.3f} "
-                       f"{row['hooks_per_step']:6.1f}")
+                       f"{row['hooks_per_step']:6.1f} {row['clone_mb_per_step']:9.3f}")
         result["arms"][arm] = row
-        print(f"{arm:<10} {row['ms_per_step']:8.2f} {row['min']:7.2f}-{row['max']:<7.2f} "
+        print(f"{arm:<13} {row['ms_per_step']:8.2f} {row['min']:7.2f}-{row['max']:<7.2f} "
               f"{row['tokens_per_s']:9.0f}{counted}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -386,16 +386,19 @@ DECODE_TARGET = 10_000  # useful tokens/s at Qwen2.5-1.5B's shape, 128 rows (iss
 
 def decode_step(a, report: Report, cap: float) -> dict:
     """bench/decode_step.py at Qwen2.5-1.5B's shape, 128 rows, prompts of 256-512: decode tokens/s
-    before (FSDP hooks on, HF's cache), after (hooks off, the in-place cache) and with
-    rollout.static_cache (transformers compiles the step: CUDA graphs), in one run. Passes when
+    before (FSDP hooks on, HF's cache), after (hooks off, the in-place cache), packed (and
+    rollout.pack_gqa: K and V never expanded per query head) and static_packed (and
+    rollout.static_cache: transformers compiles the step, CUDA graphs), in one run; the op counts
+    are the CPU's (--no-count here: the cap's seconds go to the arms). Passes when
     every arm ran and the best reaches DECODE_TARGET. The dry run compiles the static arm on the
     CPU (--compile-anywhere): the compiled path a GPU takes, proven first."""
     sizes = ["--shape", "1.5b", "--layers", "0", "--rows", "128", "--prompt-tokens", "512",
              "--ragged", "--tokens", "32,288", "--dtype", "bfloat16", "--device", "cuda",
-             "--repeats", "1", "--arms", "before,after,static"]
+             "--repeats", "1", "--arms", "before,after,packed,static_packed", "--no-count"]
     if a.dry_run:
         sizes = ["--layers", "2", "--vocab", "4096", "--rows", "4", "--ragged", "--tokens",
-                 "4,12", "--repeats", "1", "--arms", "before,after,static", "--compile-anywhere"]
+                 "4,12", "--repeats", "1", "--arms", "before,after,packed,static_packed",
+                 "--compile-anywhere"]
     out = Path(a.work) / "decode_step.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(REPO / "bench" / "decode_step.py"), *sizes, "--json", str(out)]

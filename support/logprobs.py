@@ -3,7 +3,8 @@ vocabulary) tensor. The output layer runs in chunks in at least float32 (`_Chunk
 layer's forward by `use_chunked_head`), asked through the model's own forward (so DDP, FSDP and
 compile wrappers stay in charge), and `completion_logprobs` runs each distinct prompt once and
 shares its KV cache with its rows. Also the KV cache generation uses (`kv_cache`): written in place,
-in the autocast dtype under autocast.
+in the autocast dtype under autocast; and its attention at a decode step without copies of K and V
+for grouped-query attention (`packed_gqa`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import Tensor
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from support.parallel import hf_module
 
@@ -274,3 +276,36 @@ def kv_cache(model, length: int, static: bool = False) -> dict:
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
     return {cache_kwarg(model): _KVCache(length, dtype, config=model.config)}
+
+
+@contextmanager
+def packed_gqa(on: bool = True):
+    """While inside (and `on`), a decode step's sdpa attention runs on the KV heads: the G query
+    heads that share a KV head become G query rows of it, so K and V are read as cached, never
+    expanded. transformers before 5.24 expands them (`repeat_kv`: a copy of the whole cache, G
+    times over, per layer and token) whenever a padding mask is given, and every version does
+    inside a compiled step; at Qwen2.5-1.5B's shape (bf16) that copy is ~18 GB a step at 128 rows
+    and ~800 tokens. Other steps (the prompt's, the training passes) keep transformers' sdpa."""
+    if not on:
+        yield
+        return
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  is_causal=None, **kwargs):
+        G = getattr(module, "num_key_value_groups", 1)
+        B, H, q_len, D = query.shape
+        mask_per_head = attention_mask is not None and attention_mask.shape[1] != 1
+        if G == 1 or q_len != 1 or mask_per_head or kwargs.get("position_bias") is not None:
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout,
+                        scaling=scaling, is_causal=is_causal, **kwargs)
+        q = query.reshape(B, H // G, G, D)  # (B, H_kv, G, D): head h reads KV head h // G
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
+                                             dropout_p=dropout, scale=scaling)  # (B, H_kv, G, D)
+        return out.reshape(B, 1, H, D), None  # (B, 1, H, D): query length 1, no transpose
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa

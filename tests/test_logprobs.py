@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import grpo
 import rollout
@@ -330,6 +331,41 @@ def test_static_cache_samples_within_float_tolerance_of_the_default():
     gap = (a.behav_logp - b.behav_logp).abs().max()
     assert 0 < gap <= 1e-4 and (a.entropy - b.entropy).abs().max() <= 1e-4
     bad = RolloutConfig(static_cache=True, engine="vllm").check()["static_cache"]
+    assert not bad[0] and "vllm" in bad[1]
+
+
+def test_packed_gqa_decodes_on_the_kv_heads_and_samples_what_transformers_sdpa_does(monkeypatch):
+    """rollout.pack_gqa: every decode step's attention runs on the cached K and V as they are (a
+    query head group as query rows), so transformers' sdpa runs only for the prompt's step; the
+    same tokens as transformers' sdpa, log-probs and entropies within 1e-5 (float32, ragged
+    prompts: a padding mask, where transformers before 5.24 copies K and V per head). With engine
+    vllm the key is refused."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))  # 4 query heads on 2 KV heads
+    prompts = [tok("1+" * (i + 1) + "=")["input_ids"] for i in range(5)]
+    calls = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def counted(module, query, key, *args, **kwargs):
+        calls.append(query.shape[2])  # (the step's query length)
+        return sdpa(module, query, key, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", counted)
+    out, seen = {}, {}
+    for pack in (False, True):
+        cfg = RolloutConfig(group_size=3, max_new_tokens=12, top_p=0.9, pack_gqa=pack)
+        calls.clear()
+        torch.manual_seed(0)
+        out[pack], _ = generate(model, tok, prompts, cfg, list(range(20, 50)))
+        seen[pack] = list(calls)
+    a, b = out[False], out[True]
+    layers, steps = model.config.num_hidden_layers, int(a.completion_len.max())
+    assert len(seen[False]) == layers * steps and seen[False].count(1) == layers * (steps - 1)
+    assert len(seen[True]) == layers and 1 not in seen[True]  # the prompt's step only
+    assert torch.equal(a.tokens, b.tokens)
+    assert (a.behav_logp - b.behav_logp).abs().max() <= 1e-5
+    assert (a.entropy - b.entropy).abs().max() <= 1e-5
+    bad = RolloutConfig(pack_gqa=True, engine="vllm").check()["pack_gqa"]
     assert not bad[0] and "vllm" in bad[1]
 
 

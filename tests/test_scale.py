@@ -614,9 +614,10 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     arms = steps["decode"]["arms"]
     assert arms["before"]["hooks_per_step"] > 0 == arms["after"]["hooks_per_step"]
     assert arms["after"]["cat_mb_per_step"] < arms["before"]["cat_mb_per_step"]
+    assert arms["packed"]["clone_mb_per_step"] < 0.01  # K and V never copied per query head
     # the static arm ran, compiled as on a GPU (its tokens/s here is noise: 8 tokens' difference
     # of two compiled calls on a loaded CPU can be negative)
-    assert "static" in arms and not steps["decode"]["failed"]
+    assert "static_packed" in arms and not steps["decode"]["failed"]
     assert steps["decode"]["compiled_graphs"] >= 1
     assert steps["lora"]["update"]["trained_params"] < steps["lora"]["update"]["params"]
     assert steps["full"]["chunked_head"]["max_abs_diff"] < 1e-4
