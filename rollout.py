@@ -65,7 +65,8 @@ class RolloutConfig:
     pack_gqa: bool = False
     """hf: at each decode step, attention reads the cached K and V as they are, the query heads
     that share a KV head packed together, instead of transformers' copy of them per head
-    (`support.logprobs.packed_gqa`). Samples agree within float tolerance (docs/gpu.md)."""
+    (`support.logprobs.packed_gqa`; sdpa attention, transformers' default, only). Samples
+    agree within float tolerance (docs/gpu.md)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm, GPU: share of GPU memory the engine may take for weights and KV cache (vLLM's)."""
     vllm_kv_cache_gb: float = 0.0
