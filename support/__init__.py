@@ -3,7 +3,8 @@ rollout.py, grpo.py, replay.py). Nothing here imports train.py.
 
   models      load and save the policy (FSDP, DDP, compile, LoRA, meta load from rank 0)
   prompts     chat templates, prompt ids, end tokens, and the advice when a template fails
-  logprobs    the chunked float32 output layer and the shared-prompt KV pass
+  logprobs    the chunked float32 output layer, the shared-prompt KV pass, generation's KV cache
+              and its attention without K/V copies (pack_gqa)
   parallel    the process group, collectives on host tensors, FSDP's gathered weights
   preempt     stopping at any moment (SIGTERM, SIGINT) and rewinding a step
   rundir      the run folder: its lock, --overwrite, atomic writes, what a resume rewrites
