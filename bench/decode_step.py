@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # "cuda" names no index
     tok = build_tokenizer()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, len(tok), (a.rows, a.prompt_tokens), generator=g).tolist()

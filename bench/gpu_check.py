@@ -324,6 +324,9 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     # a second update on the same batch (lr 1e-6 again): warm, with the allocator's blocks, the
     # optimizer's state and any compiled kernels already in place
     _, warm = timed_update(cfg, model, policy, optimizer, batch, device, compute)
+    optimizer.state.clear()  # the reference's float32 copy fits beside the model on an 80 GB card
+    model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
     ref_norm = math.nan if a.lora else reference_grad_norm(cfg, path, batch, device)
     rel, gap = abs(metrics["grad_norm"] / ref_norm - 1), metrics["rollout/logp_gap_mean"]
     trained = sum(p.numel() for p in params if p.requires_grad)
@@ -406,9 +409,11 @@ def reference_grad_norm(cfg, path: str, batch, device) -> float:
     as one GPU without FSDP runs it), not clipped."""
     import grpo
     from config import update_settings
-    from support.models import load_pretrained
+    from support.models import checkpoint_activations, load_pretrained
 
     model = load_pretrained(path, dtype=torch.float32)[0].to(device)
+    if cfg.model.gradient_checkpointing:  # as the run's model: the same gradient, less memory
+        checkpoint_activations(model)
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.model.parallel, ref_cfg.optim.grad_clip = "ddp", 0.0
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
