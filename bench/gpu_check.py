@@ -67,6 +67,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "(one process, no FSDP; (e) then checks no reference gradient norm)")
     ap.add_argument("--json", help="also write every figure measured to this JSON file")
     ap.add_argument("--skip-torchrun", action="store_true", help="leave out check (a)")
+    ap.add_argument("--fast-decode", action="store_true",
+                    help="generate with rollout.static_cache and rollout.pack_gqa (the compiled, "
+                         "packed decode step), timing a second rollout after a first compiles it")
+    ap.add_argument("--generation-only", action="store_true", help="check (b) alone")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU tests
     return ap.parse_args(argv)
 
@@ -135,7 +139,10 @@ def run_args(path: str, a: argparse.Namespace) -> list[str]:
     return [f"--model.path={path}", "--model.parallel=fsdp", *lora, "--optim.lr=1e-6",
             f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group_size}",
             f"--rollout.batch_size={n}", f"--rollout.gen_batch_size={n}",
-            f"--data.max_prompt_tokens={a.prompt_tokens}"]
+            f"--data.max_prompt_tokens={a.prompt_tokens}", *FAST_DECODE * a.fast_decode]
+
+
+FAST_DECODE = ["--rollout.static_cache=true", "--rollout.pack_gqa=true"]
 
 
 def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]:
@@ -193,6 +200,9 @@ def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
     model, policy, tok, _, compute = load_policy(cfg, path, device, 1)
     peaks = {}
     batch, failures = generation_check(model, tok, cfg, compute, a, peaks)
+    if a.generation_only:
+        dist.destroy_process_group()
+        return failures
     firsts = range(0, len(batch), a.group_size)  # one row per prompt
     engines(path, [batch.tokens[i, : batch.prompt_len[i]].tolist() for i in firsts], a, device)
     failures += update_checks(cfg, model, policy, compute, device, batch, path, a, peaks)
@@ -221,6 +231,14 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
         caches.append(kwargs.get("cache", kwargs.get("past_key_values")))  # (5.24 renamed it)
 
     hook = hf_module(model).register_forward_pre_hook(keep_cache, with_kwargs=True)
+    first = None
+    if a.fast_decode:  # the first rollout compiles the step (and captures CUDA graphs): untimed
+        torch.manual_seed(0)
+        with generation(model, compute):
+            t0 = time.time()
+            generate(model, tok, prompts, cfg.rollout, stop)
+            sync()
+            first = time.time() - t0
     reset_peak()
     torch.manual_seed(0)  # the samples too are seeded: a rerun checks the same batch
     with generation(model, compute):
@@ -237,14 +255,22 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
     REPORT["generation"] = {"useful_tokens_per_s": useful / seconds,
                             "padded_tokens_per_s": padded / seconds, "rows": len(ro),
                             "useful_tokens": useful, "seconds": seconds,
-                            "all_gathers_inside_generate": len(gathers), "kv_cache": str(kv)}
+                            "all_gathers_inside_generate": len(gathers), "kv_cache": str(kv),
+                            "cache": type(caches[-1]).__name__, "fast_decode": a.fast_decode,
+                            "first_rollout_seconds": first}
     print(f"(b) generation: {useful / seconds:.0f} useful tokens/s, {padded / seconds:.0f} padded "
           f"tokens/s ({len(ro)} rows, prompts of {a.prompt_tokens}); all-gathers inside generate: "
-          f"{len(gathers)}; KV cache {kv}")
+          f"{len(gathers)}; KV cache {kv}{fast_said(first)}")
     failures = [f"(b) {len(gathers)} all-gathers inside generate"] * bool(gathers)
     if kv != torch.bfloat16:
         failures.append(f"(b) the KV cache holds {kv}, not bfloat16")
     return ro, failures
+
+
+def fast_said(first: float | None) -> str:
+    if first is None:
+        return ""
+    return f"; static cache and packed GQA, compiled in a first rollout of {first:.1f} s"
 
 
 def engines(path: str, prompts: list, a, device: torch.device) -> None:
