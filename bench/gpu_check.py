@@ -71,6 +71,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="generate with rollout.static_cache and rollout.pack_gqa (the compiled, "
                          "packed decode step), timing a second rollout after a first compiles it")
     ap.add_argument("--generation-only", action="store_true", help="check (b) alone")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more warm update: its top ops and the output layer's share")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU tests
     return ap.parse_args(argv)
 
@@ -350,6 +352,8 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     # a second update on the same batch (lr 1e-6 again): warm, with the allocator's blocks, the
     # optimizer's state and any compiled kernels already in place
     _, warm = timed_update(cfg, model, policy, optimizer, batch, device, compute)
+    if a.profile:
+        REPORT["profile"] = profiled_update(cfg, model, policy, optimizer, batch, device, compute)
     optimizer.state.clear()  # the reference's float32 copy fits beside the model on an 80 GB card
     model.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
@@ -493,6 +497,40 @@ def timed_update(cfg, model, policy, optimizer, batch, device, compute) -> tuple
                                           device, compute)
     sync()
     return metrics, int(batch.seq_len.sum()) / (time.time() - t0)
+
+
+def profiled_update(cfg, model, policy, optimizer, batch, device, compute, top: int = 20):
+    """Where a warm update's time goes: one more update on the batch under torch.profiler. On a
+    GPU its kernels by device time, on a CPU its ops by self time on the host; each with its share
+    of the total, and the time inside the chunked output layer's forward and backward
+    (support/logprobs.py labels them)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU]
+    if cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        timed_update(cfg, model, policy, optimizer, batch, device, compute)
+    events = prof.key_averages()
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    timed = [e for e in events if e.device_type == kind]  # kernels, or the host's ops
+    total = sum(getattr(e, attr) for e in timed)
+    ops = sorted(timed, key=lambda e: getattr(e, attr), reverse=True)[:top]
+    head = {}
+    for e in events:
+        if e.key.startswith("chunked_head") and e.device_type == DeviceType.CPU:
+            head[e.key] = (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+    r = {"clock": "device" if cuda else "host", "total_ms": total / 1e3, "chunked_head_ms": head,
+         "top": [{"op": e.key, "ms": getattr(e, attr) / 1e3, "share": getattr(e, attr) / total,
+                  "calls": e.count} for e in ops]}
+    lines = [f"{o['share']:6.1%} {o['ms']:9.1f} ms  {o['op'][:80]}" for o in r["top"][:8]]
+    said = ", ".join(f"{k} {v:.0f} ms" for k, v in head.items())
+    print(f"(e) profile of a warm update ({r['clock']} time {r['total_ms']:.0f} ms; {said}):\n    "
+          + "\n    ".join(lines))
+    return r
 
 
 def mfu_figures(model, tps: float, a) -> dict:

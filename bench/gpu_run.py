@@ -1,5 +1,5 @@
 """The run on a real GPU (issue #41): every CUDA path of a paper config through one H100 or H200 in
-about 8.5 minutes (its caps add up to 17), one step after another, cheapest first, each under its
+about 8.5 minutes (its caps add up to 27), one step after another, cheapest first, each under its
 own time cap, so that a slow step cannot eat the rest. Writes <out>/gpu_run.json (written again
 after every step) and <out>/gpu_run.log (every child's whole output).
 
@@ -32,7 +32,8 @@ Steps:
   full    full fine-tuning at Qwen2.5-1.5B's shape (random weights, bf16 compute, float32 masters,
           FSDP2 on one GPU, micro_batch_tokens packing, the chunked head): one step of 16 prompts
           x 8 (512 + 1,024 tokens). Peak memory against bench/memory_plan.py, HF generate tokens/s,
-          the update's MFU, the sampler-vs-trainer log-prob gap, chunked head vs whole logits.
+          the update's MFU, a profile of a warm update (its top kernels, the output layer's
+          share), the sampler-vs-trainer log-prob gap, chunked head vs whole logits.
   lora    rank-32 LoRA at Qwen3-4B-Base's shape (bf16 base), one step; peak memory against the
           LoRA plan.
 """
@@ -369,9 +370,9 @@ def fingerprint(run: Path) -> tuple[str, str]:
 # ------------------------------------------------------------------------------------ full, lora
 def full_step(a, report: Report, cap: float) -> dict:
     sizes = ["--shape", "Qwen/Qwen2.5-1.5B", "--prompts", "16", "--group-size", "8",
-             "--prompt-tokens", "512", "--max-new-tokens", "1024", "--skip-torchrun"]
+             "--prompt-tokens", "512", "--max-new-tokens", "1024", "--skip-torchrun", "--profile"]
     if a.dry_run:
-        sizes = [*DRY, "--max-grad-norm-diff", "0.1", "--skip-torchrun"]
+        sizes = [*DRY, "--max-grad-norm-diff", "0.1", "--skip-torchrun", "--profile"]
     return gpu_check(a, report, sizes, cap, "full")
 
 
