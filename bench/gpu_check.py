@@ -352,6 +352,7 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     # a second update on the same batch (lr 1e-6 again): warm, with the allocator's blocks, the
     # optimizer's state and any compiled kernels already in place
     _, warm = timed_update(cfg, model, policy, optimizer, batch, device, compute)
+    REPORT["head_tf32"] = tf32_update(cfg, model, policy, optimizer, batch, device, compute, a)
     if a.profile:
         REPORT["profile"] = profiled_update(cfg, model, policy, optimizer, batch, device, compute)
     optimizer.state.clear()  # the reference's float32 copy fits beside the model on an 80 GB card
@@ -497,6 +498,46 @@ def timed_update(cfg, model, policy, optimizer, batch, device, compute) -> tuple
                                           device, compute)
     sync()
     return metrics, int(batch.seq_len.sum()) / (time.time() - t0)
+
+
+def tf32_update(cfg, model, policy, optimizer, batch, device, compute, a) -> dict:
+    """model.head_tf32 (the output layer's GEMMs on TF32 tensor cores) against the float32 head
+    on the same batch and weights: the no-grad log-probs' largest difference, then a warm update
+    of each at lr 0 (the same weights for both), their tokens/s, MFU and gradient norms, after
+    one float32 update more whose gradient norm against the next float32 one is the floor of
+    repeated updates."""
+    from config import update_settings
+    from grpo import no_grad_logprobs
+    from support.logprobs import head_precision
+
+    s, mask = update_settings(cfg), batch.completion_mask()
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    r = {}
+    try:
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0
+        for name in ("float32_first", "float32", "tf32"):  # the first: float32's repeat, the floor
+            head_precision(model, tf32=name == "tf32")
+            lp = no_grad_logprobs(model, batch, s, compute, device)[0]
+            metrics, tps = timed_update(cfg, model, policy, optimizer, batch, device, compute)
+            r[name] = {"warm_tokens_per_s": tps, "warm": mfu_figures(model, tps, a),
+                       "grad_norm": metrics["grad_norm"], "logp": lp}
+    finally:
+        head_precision(model, tf32=False)
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+    first = r.pop("float32_first")
+    diff = r["tf32"].pop("logp") - r["float32"].pop("logp")
+    r["logprob_max_abs_diff"] = float(diff[mask].abs().max())
+    rel = abs(r["tf32"]["grad_norm"] / r["float32"]["grad_norm"] - 1)
+    r["grad_norm_rel_diff"] = rel
+    r["float32_repeat_grad_norm_rel_diff"] = abs(first["grad_norm"] / r["float32"]["grad_norm"] - 1)
+    tps = r["tf32"]["warm_tokens_per_s"]
+    print(f"(e) with model.head_tf32, a warm step: {tps:.0f} tokens/s{mfu(model, tps, a)} (float32 "
+          f"head: {r['float32']['warm_tokens_per_s']:.0f}); grad norm {100 * rel:.3f} % and "
+          f"log-probs within {r['logprob_max_abs_diff']:.2e} of the float32 head's (float32 "
+          f"repeated: {100 * r['float32_repeat_grad_norm_rel_diff']:.3f} %)")
+    return r
 
 
 def profiled_update(cfg, model, policy, optimizer, batch, device, compute, top: int = 20):

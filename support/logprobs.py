@@ -49,6 +49,23 @@ def output_layer(model):
     return head
 
 
+def head_precision(model, tf32: bool) -> None:
+    """Whether the model's output layer runs its float32 GEMMs on TF32 tensor cores (CUDA)."""
+    output_layer(model)._tf32 = tf32
+
+
+@contextmanager
+def _matmuls(tf32: bool):
+    """float32 GEMMs on TF32 tensor cores while inside when `tf32` (CUDA's flag; the CPU ignores
+    it); the flag as it was afterwards."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32 or before
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @contextmanager
 def _asking(model, targets: Tensor, valid: Tensor, temperature: float, with_entropy: bool):
     """While inside, the output layer returns (B, C, 2): the log-prob of `targets` (B, C) and the
@@ -70,14 +87,16 @@ def _head_forward(head, hidden: Tensor) -> Tensor:
     request (generation, the prompt pass), else `_asking`'s (B, C, 2) from the valid positions."""
     request = head.__dict__.get("_logprob_request")
     w, b = head.weight, getattr(head, "bias", None)
+    tf32 = head.__dict__.get("_tf32", False)  # `head_precision`
     if request is None:
-        with torch.autocast(hidden.device.type, enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False), _matmuls(tf32):
             dtype = torch.promote_types(hidden.dtype, torch.float32)
             return F.linear(hidden.to(dtype), *_upcast(w, b, dtype))
     targets, valid, temperature, with_entropy = request  # (B, C), (B, C)
     listener = head.__dict__.get("_weight_grad_listener")  # `OutputGrad`'s
     h = hidden[:, : targets.shape[1]][valid]  # (N, H): padding never reaches the output layer
-    logp, ent = _ChunkedHead.apply(h, w, b, targets[valid], temperature, with_entropy, listener)
+    logp, ent = _ChunkedHead.apply(h, w, b, targets[valid], temperature, with_entropy, listener,
+                                   tf32)
     out = torch.zeros(*targets.shape, 2, dtype=logp.dtype, device=logp.device)  # (B, C, 2)
     return out.index_put((valid,), torch.stack([logp, ent], -1))
 
@@ -89,13 +108,14 @@ class _ChunkedHead(torch.autograd.Function):
     `listener`, when given, receives the weight's gradient from this layer alone (even frozen)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, listener=None):
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, listener=None,
+                tf32=False):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         n = max(1, HEAD_CHUNK // weight.shape[0])  # rows per chunk
         lse = torch.zeros(len(hidden), dtype=dtype, device=hidden.device)  # (N,)
         logp, ent = torch.zeros_like(lse), torch.zeros_like(lse)  # (N,)
         label = record_function("chunked_head_forward")  # what a profile calls this time
-        with label, torch.autocast(hidden.device.type, enabled=False):
+        with label, torch.autocast(hidden.device.type, enabled=False), _matmuls(tf32):
             w, b = _upcast(weight, bias, dtype)
             for s in range(0, len(hidden), n):
                 rows = slice(s, s + n)
@@ -106,7 +126,7 @@ class _ChunkedHead(torch.autograd.Function):
                     p = (z - lse[rows, None]).exp_()  # (n, V)
                     ent[rows] = lse[rows] - (p[:, None] @ z[:, :, None]).view(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.listener = temperature, listener
+        ctx.temperature, ctx.listener, ctx.tf32 = temperature, listener, tf32
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -116,7 +136,7 @@ class _ChunkedHead(torch.autograd.Function):
         n, T = max(1, HEAD_CHUNK // weight.shape[0]), ctx.temperature
         g = grad_logp.to(lse.dtype) / T  # (N,) d loss / d z_target, z = logits / T
         label = record_function("chunked_head_backward")
-        with label, torch.autocast(hidden.device.type, enabled=False):
+        with label, torch.autocast(hidden.device.type, enabled=False), _matmuls(ctx.tf32):
             w, b = _upcast(weight, bias, lse.dtype)
             gh = torch.empty(hidden.shape, dtype=w.dtype, device=w.device)  # (N, H)
             want_gw = ctx.needs_input_grad[1] or ctx.listener is not None
@@ -137,7 +157,7 @@ class _ChunkedHead(torch.autograd.Function):
             ctx.listener(gw)
         gw = gw.to(weight.dtype) if ctx.needs_input_grad[1] else None
         gb = gb.to(bias.dtype) if gb is not None and ctx.needs_input_grad[2] else None
-        return gh.to(hidden.dtype), gw, gb, None, None, None, None
+        return gh.to(hidden.dtype), gw, gb, None, None, None, None, None
 
 
 def _upcast(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple:

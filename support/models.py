@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from support import integrity, lora
+from support.logprobs import head_precision
 from support.lora import LoraConfig
 from support.parallel import MAX, all_ranks, hf_module
 from support.util import RunError, fsync, oneline
@@ -38,6 +39,11 @@ class ModelConfig:
     """Recompute activations in backward to save memory (real models, long responses)."""
     compile: bool = False
     """torch.compile the training forward (generation stays eager; shapes vary: recompiles)."""
+    head_tf32: bool = False
+    """CUDA: the output layer's float32 GEMMs (the sampler's logits, the chunked log-prob pass
+    and its backward) on TF32 tensor cores, the rest of the process as it was. Inputs round to
+    TF32's 10-bit mantissa, which holds bf16 values exactly (bf16 compute under FSDP); products
+    add in float32. The CPU ignores it."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. auto = cuda when available (under torchrun the local rank's)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -169,6 +175,8 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     if adapted:
         saved = path if Path(path, "adapter_config.json").is_file() else None
         model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
+    for module in [m for m in (model, ref) if m is not None and cfg.model.head_tf32]:
+        head_precision(module, tf32=True)  # (the CPU ignores it)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                               reduce_dtype=torch.float32)
     for module, source, dtype in [(model, path, torch.float32), (ref, cfg.model.path, ref_dtype)]:

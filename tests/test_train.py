@@ -14,6 +14,7 @@ tests/test_preempt.py.)
 
 import json
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,42 @@ def test_gradient_checkpointing_recomputes_layers_in_the_training_backward(tmp_p
                 f"--model.gradient_checkpointing={checkpointing}")
     assert len(replayed) > 0
     assert any(replayed) == checkpointing, f"{sum(replayed)} of {len(replayed)} calls in backward"
+
+
+@needs_model
+@pytest.mark.parametrize("tf32", [False, True])
+def test_head_tf32_reaches_every_output_layer_gemm_and_nothing_else(tmp_path, monkeypatch, tf32):
+    """model.head_tf32 (#50: the float32 output layer, the suspect for the update's 13 % MFU on an
+    H100): through train.py, every GEMM of the output layer (the sampler's logits, the chunked
+    log-prob pass and its backward, eval's generation) runs with CUDA's TF32 flag on, and only
+    those: the flag is off again at every decoder layer and after the run. The CPU ignores the
+    flag, so the run's metrics equal those of the run without it."""
+    from support import logprobs
+
+    seen = {"head": [], "layer": []}
+    upcast = logprobs._upcast
+
+    def recording(*args):
+        seen["head"].append(torch.backends.cuda.matmul.allow_tf32)
+        return upcast(*args)
+
+    load = train.load_run_model
+
+    def watching(*args, **kwargs):
+        device, (model, *rest) = load(*args, **kwargs)
+        mlp = next(m for name, m in model.named_modules() if name.endswith("layers.0.mlp"))
+        mlp.register_forward_pre_hook(
+            lambda *_: seen["layer"].append(torch.backends.cuda.matmul.allow_tf32))
+        return device, (model, *rest)
+
+    monkeypatch.setattr(logprobs, "_upcast", recording)
+    monkeypatch.setattr(train, "load_run_model", watching)
+    run_metrics(tmp_path / "on", "--max_steps=2", f"--model.head_tf32={tf32}")
+    assert len(seen["head"]) > 0 and set(seen["head"]) == {tf32}
+    assert set(seen["layer"]) == {False} and not torch.backends.cuda.matmul.allow_tf32
+    if tf32:  # the same metrics (less the clocks) and final weights as without it, on a CPU
+        run_metrics(tmp_path / "off", "--max_steps=2")
+        sys.path.insert(0, str(REPO / "bench"))
+        from fingerprint import digest
+
+        assert digest(tmp_path / "on") == digest(tmp_path / "off")
