@@ -353,6 +353,8 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     # optimizer's state and any compiled kernels already in place
     _, warm = timed_update(cfg, model, policy, optimizer, batch, device, compute)
     REPORT["head_tf32"] = tf32_update(cfg, model, policy, optimizer, batch, device, compute, a)
+    REPORT["larger_micro_batch"] = larger_micro_batch_update(cfg, model, policy, optimizer, batch,
+                                                             device, compute, a)
     if a.profile:
         REPORT["profile"] = profiled_update(cfg, model, policy, optimizer, batch, device, compute)
     optimizer.state.clear()  # the reference's float32 copy fits beside the model on an 80 GB card
@@ -511,21 +513,17 @@ def tf32_update(cfg, model, policy, optimizer, batch, device, compute, a) -> dic
     from support.logprobs import head_precision
 
     s, mask = update_settings(cfg), batch.completion_mask()
-    lrs = [g["lr"] for g in optimizer.param_groups]
     r = {}
     try:
-        for g in optimizer.param_groups:
-            g["lr"] = 0.0
         for name in ("float32_first", "float32", "tf32"):  # the first: float32's repeat, the floor
             head_precision(model, tf32=name == "tf32")
             lp = no_grad_logprobs(model, batch, s, compute, device)[0]
-            metrics, tps = timed_update(cfg, model, policy, optimizer, batch, device, compute)
+            with zero_lr(optimizer):
+                metrics, tps = timed_update(cfg, model, policy, optimizer, batch, device, compute)
             r[name] = {"warm_tokens_per_s": tps, "warm": mfu_figures(model, tps, a),
                        "grad_norm": metrics["grad_norm"], "logp": lp}
     finally:
         head_precision(model, tf32=False)
-        for g, lr in zip(optimizer.param_groups, lrs):
-            g["lr"] = lr
     first = r.pop("float32_first")
     diff = r["tf32"].pop("logp") - r["float32"].pop("logp")
     r["logprob_max_abs_diff"] = float(diff[mask].abs().max())
@@ -537,6 +535,35 @@ def tf32_update(cfg, model, policy, optimizer, batch, device, compute, a) -> dic
           f"head: {r['float32']['warm_tokens_per_s']:.0f}); grad norm {100 * rel:.3f} % and "
           f"log-probs within {r['logprob_max_abs_diff']:.2e} of the float32 head's (float32 "
           f"repeated: {100 * r['float32_repeat_grad_norm_rel_diff']:.3f} %)")
+    return r
+
+
+@contextlib.contextmanager
+def zero_lr(optimizer):
+    """The learning rates at 0 while inside: updates that leave the weights as they were."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+
+
+def larger_micro_batch_update(cfg, model, policy, optimizer, batch, device, compute, a,
+                              times: int = 4) -> dict:
+    """A warm update (lr 0) with optim.micro_batch_tokens × `times`: fewer, larger passes; its
+    tokens/s, MFU and peak memory."""
+    big = copy.deepcopy(cfg)
+    big.optim.micro_batch_tokens *= times
+    reset_peak()
+    with zero_lr(optimizer):
+        _, tps = timed_update(big, model, policy, optimizer, batch, device, compute)
+    r = {"micro_batch_tokens": big.optim.micro_batch_tokens, "warm_tokens_per_s": tps,
+         "warm": mfu_figures(model, tps, a), "peak_gb": peak_bytes() / 1e9}
+    print(f"(e) with micro_batch_tokens {r['micro_batch_tokens']}, a warm step: {tps:.0f} "
+          f"tokens/s{mfu(model, tps, a)}; peak {r['peak_gb']:.2f} GB")
     return r
 
 

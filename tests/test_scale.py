@@ -617,6 +617,7 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     head = steps["full"]["profile"]["chunked_head_ms"]  # where a warm update's time goes
     tf32 = steps["full"]["head_tf32"]  # the TF32 head against float32's, same weights (lr 0)
     assert tf32["tf32"]["warm_tokens_per_s"] > 0 and tf32["logprob_max_abs_diff"] == 0  # (CPU)
+    assert steps["full"]["larger_micro_batch"]["warm_tokens_per_s"] > 0
     assert head["chunked_head_forward"] > 0 and head["chunked_head_backward"] > 0
     arms = steps["decode"]["arms"]
     assert arms["before"]["hooks_per_step"] > 0 == arms["after"]["hooks_per_step"]
