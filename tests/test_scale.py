@@ -504,6 +504,9 @@ def generation_worker(dtype: str, model_dir: str, out: str) -> None:
 
     from support import parallel
 
+    sys.path.insert(0, str(REPO / "bench"))
+    from decode_step import keep_hooks_on  # generation as it ran before: the hooks stay on
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     cfg = update_cfg("grpo")
@@ -530,11 +533,6 @@ def generation_worker(dtype: str, model_dir: str, out: str) -> None:
                         "entropy": ro.entropy.tolist(), "fsdp_events": len(fsdp)}
     write_result(out, result)
     parallel.close()
-
-
-def keep_hooks_on(module) -> dict:
-    """`parallel._forward_hooks_off` that takes nothing off (generation as it ran before)."""
-    return {}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
