@@ -7,14 +7,14 @@ Usage:
 
 Lines: non-blank, non-comment lines, docstrings counted (the rows a token other than a comment
 covers), per subject against its budget: each file of the reading path and config.py, the reading
-path together (train, grpo, rollout, replay), and each module of support/ (what a reader of GRPO
-may skip), methods/ and analysis/. Density, over every subject file and rewards.py and eval.py
-(shown without a budget): lines over 100 characters; conditional expressions, comprehensions and
-tuples used as statements (`x.close() if x else None`, `[f(m) for m in ms]`, `a(), b()`); `# noqa`
-outside rewards.py (the verifier's sandbox, where a broad except is the contract); functions over
-60 lines (from `def` to their last line: train.loop included); and the mean characters per counted
-line (indentation included, trailing spaces not). Imports: no module imports train.py, and grpo.py
-imports nothing from config.py.
+path together (train, grpo, rollout, replay), and each module of support/ (what a reader of GRPO may
+skip), methods/ and analysis/; the README's lines, blank ones too. Density, over every subject file
+and rewards.py and eval.py (shown without a budget): lines over 100 characters; conditional
+expressions, comprehensions and tuples used as statements (`x.close() if x else None`, `[f(m) for m
+in ms]`, `a(), b()`); `# noqa` outside rewards.py (the verifier's sandbox, where a broad except is
+the contract); functions over 60 lines (from `def` to their last line: train.loop included); and the
+mean characters per counted line (indentation included, trailing spaces not). Imports: no module
+imports train.py, and grpo.py imports nothing from config.py.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ BUDGETS = {"train.py": 350, "grpo.py": 530, "rollout.py": 260, "replay.py": 500,
 READING_BUDGET = 1650
 PACKAGES = ["support", "methods", "analysis"]  # scale and I/O; the methods compared; the analysis
 PACKAGE_BUDGET = 300  # each module of each package
+README_BUDGET = 250
 OTHERS = ["batch.py", "metrics.py", "rewards.py", "eval.py"]  # shown without a budget
 MAX_CHARS = 100
 MAX_FUNCTION = 60
@@ -147,6 +148,12 @@ def report(root: Path) -> int:
             verdict += " (no " + ", ".join(missing) + ")"
         missed += verdict != "ok"
         print(f"{title:<60} {lines:>6} {budget:>7}  {verdict}")
+    readme = root / "README.md"
+    if readme.is_file():  # every line, blank ones too: what a newcomer scrolls through
+        lines = len(readme.read_text().splitlines())
+        missed += lines > README_BUDGET
+        verdict = "ok" if lines <= README_BUDGET else "MISSED"
+        print(f"{'README.md (every line)':<60} {lines:>6} {README_BUDGET:>7}  {verdict}")
     missed += density(files)
     print(f"\n{missed} target(s) missed")
     return missed

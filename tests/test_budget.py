@@ -92,6 +92,11 @@ def test_budget_check_passes_on_a_clean_tree_and_counts_each_support_module(tmp_
                            "--check"], capture_output=True, text=True, check=False)
     assert proc.returncode == 1 and "(no grpo.py)" in proc.stdout  # a missing file misses
     write_tree(root)
+    (root / "README.md").write_text("line\n" * 251)  # the README: ≤ 250 lines
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "budget.py"), "--root", str(root),
+                           "--check"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1 and "251     250  MISSED" in proc.stdout
+    (root / "README.md").write_text("line\n" * 250)
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "budget.py"), "--root", str(root),
                            "--check"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "0 target(s) missed" in proc.stdout
