@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -332,6 +333,8 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     batch.advantage = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
     lp, _ = no_grad_logprobs(model, batch, update_settings(cfg), compute, device)
     stats = gap_stats(lp, batch.behav_logp, batch.completion_mask(), cfg)
+    if isinstance(model, FSDPModule):  # FSDP2 leaves the root's weights gathered (bf16 copies)
+        model.reshard()  # after a forward: the optimizer must hold the float32 shards, as train's
     params = list(model.parameters())
     before = [local(p.detach()).to("cpu", copy=True) for p in params]  # not in the GPU's peak
     optimizer = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)

@@ -615,6 +615,9 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     head = steps["full"]["profile"]["chunked_head_ms"]  # where a warm update's time goes
     tf32 = steps["full"]["head_tf32"]  # the TF32 head against float32's, same weights (lr 0)
     assert tf32["tf32"]["warm_tokens_per_s"] > 0 and tf32["logprob_max_abs_diff"] == 0  # (CPU)
+    # repeated updates at lr 0 give the same gradient: the optimizer holds the float32 shards, not
+    # the root's gathered copies, whose masters kept and summed every update's gradient
+    assert tf32["float32_repeat_grad_norm_rel_diff"] == 0 == tf32["grad_norm_rel_diff"]
     assert steps["full"]["larger_micro_batch"]["warm_tokens_per_s"] > 0
     assert head["chunked_head_forward"] > 0 and head["chunked_head_backward"] > 0
     arms = steps["decode"]["arms"]
