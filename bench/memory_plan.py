@@ -26,10 +26,14 @@ under fsdp):
   logprob pass the no-grad passes for π at the start of a step (optim.minibatches > 1) and the
                reference (beta > 0):
                b_lp·T·H·8a + 2·4·C (+ 4·V·H when a = 2), b_lp = optim.logprob_batch_size
-  generation   KV cache  gen_batch·T·L·2·n_kv·d·2 (bf16), plus under fsdp the full bf16 weights 2·P,
-               gathered once for the whole generation phase,
-               plus (when a = 2) the float32 copy of the output layer
-               that each decoding step's float32 logits are computed with (4·V·H)
+  generation   under fsdp the full bf16 weights 2·P, gathered once for the whole phase, plus the
+               larger of its two moments: the prompt's pass, the prompt's KV cache
+               gen_batch·P_len·L·2·n_kv·d·2 (bf16) beside one layer's activations
+               gen_batch·P_len·(3·I + 4·H + 2·d)·a (the MLP's gate, up and product, four hidden
+               states, the rotary tables), and a decoding step, the whole KV cache
+               gen_batch·T·L·2·n_kv·d·2 beside the float32 copy of the output layer (4·V·H,
+               when a = 2) and the sampler's five float32 (gen_batch, V) tensors. (The cache
+               takes its full length at the first decoding step: support.logprobs._KVCache.)
   optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
 LoRA (model.lora.rank r > 0; P_A = r · Σ (fan-in + fan-out) over the linear layers of every block):
   weights a·P (the frozen base, in the compute dtype) + 4·P_A; gradients 4·P_A; optimizer 8·P_A;
@@ -123,6 +127,12 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
                   + 4 * s.intermediate) * a * 2
     upcast = 4 * s.vocab * s.hidden * (a < 4)  # bf16 output-layer weights copied to float32
     trained = s.lora_params(lora_rank) if lora_rank else P  # what has gradients and AdamW state
+
+    def kv(tokens: int) -> int:  # the KV cache of gen_batch rows of `tokens`, bf16
+        return gen_batch * tokens * s.layers * 2 * s.kv_heads * s.head_dim * 2
+
+    prefill = gen_batch * prompt * (3 * s.intermediate + 4 * s.hidden + 2 * s.head_dim) * a
+    decode = upcast + 5 * gen_batch * s.vocab * 4  # the float32 head, the sampler's (rows, V)
     base = (a if lora_rank else 4) * P / shard  # a frozen base is held in the compute dtype
     parts = {
         "weights": base + (4 * trained / shard if lora_rank else 0)
@@ -134,9 +144,7 @@ def estimate(s: Shape, *, gpus: int, fsdp: bool, micro_batch: int, gen_batch: in
         "logits": 2 * 4 * HEAD_CHUNK + 4 * s.vocab * s.hidden * (not lora_rank) + upcast,
         "logprob_pass": (logprob_batch * T * s.hidden * a * 8 + 2 * 4 * HEAD_CHUNK + upcast)
         * bool(logprob_batch),
-        "generation": gen_batch * T * s.layers * 2 * s.kv_heads * s.head_dim * 2
-        + (2 * P if fsdp else 0)
-        + upcast,
+        "generation": (2 * P if fsdp else 0) + max(kv(prompt) + prefill, kv(T) + decode),
         "optimizer_step": 4 * trained / shard,
     }
     w, g, opt = parts["weights"], parts["gradients"], parts["optimizer"]

@@ -251,7 +251,9 @@ class _KVCache(transformers.DynamicCache):
     """HF's DynamicCache written into storage allocated once for the call's longest sequence: each
     layer's attention reads views of the filled part, the same K and V in the same shapes, so the
     same numbers, without the copy of the whole cache that DynamicCache's concatenation makes at
-    every token. A layer that is not a plain DynamicLayer (a sliding window) keeps HF's update.
+    every token. The prompt's pass keeps HF's prompt-length K and V; a layer's storage is made at
+    its first decode step, the prompt's part copied in, so the prompt pass's activations never
+    sit beside the whole cache (bench/memory_plan.py's generation term). A layer that is not a plain DynamicLayer (a sliding window) keeps HF's update.
     `dtype` (autocast): K and V are stored in it. Under autocast the residual stream is float32,
     so RoPE'd keys (before transformers 5.24 the values too) would be kept in float32; attention
     casts them to the autocast dtype anyway, so storing them in it changes no number and halves
@@ -266,25 +268,38 @@ class _KVCache(transformers.DynamicCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.dtype is not None:
             key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
-        held = 0
-        if layer_idx in self.storage:
-            held = self.layers[layer_idx].keys.shape[-2]
-        end = held + key_states.shape[-2]
-        if layer_idx not in self.storage or end > self.length:  # the first write: HF sets it up
-            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            layer = self.layers[layer_idx]
-            if type(layer) is not transformers.DynamicLayer or keys.shape[-2] > self.length:
-                return keys, values
-            storage = (keys.new_empty(*keys.shape[:2], self.length, keys.shape[3]),
-                       values.new_empty(*values.shape[:2], self.length, values.shape[3]))
-            self.storage[layer_idx] = storage
-            key_states, value_states, held, end = keys, values, 0, keys.shape[-2]
-        keys, values = self.storage[layer_idx]
+        new = key_states.shape[-2]
+        if layer_idx not in self.storage and not self._allocate(layer_idx, new):
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
-        keys[:, :, held:end] = key_states
-        values[:, :, held:end] = value_states
-        layer.keys, layer.values = keys[:, :, :end], values[:, :, :end]
+        held = layer.keys.shape[-2]
+        if held + new > self.length:  # longer than planned: HF's concatenation from here on
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        keys, values = self.storage[layer_idx]
+        keys[:, :, held : held + new] = key_states
+        values[:, :, held : held + new] = value_states
+        layer.keys, layer.values = keys[:, :, : held + new], values[:, :, : held + new]
         return layer.keys, layer.values
+
+    def _allocate(self, layer_idx: int, new: int) -> bool:
+        """The layer's storage, its K and V so far copied in, when the layer already holds the
+        prompt's (the first decode step) as a plain DynamicLayer and `length` fits them."""
+        layer = None
+        if layer_idx < len(self.layers):
+            layer = self.layers[layer_idx]
+        if layer is None or not getattr(layer, "is_initialized", layer.keys is not None):
+            return False  # the prompt's pass: HF's prompt-length tensors
+        held = layer.keys.shape[-2]
+        if type(layer) is not transformers.DynamicLayer or held + new > self.length:
+            return False
+        k, v = layer.keys, layer.values  # (B, H, held, D)
+        keys = k.new_empty(*k.shape[:2], self.length, k.shape[3])
+        values = v.new_empty(*v.shape[:2], self.length, v.shape[3])
+        keys[:, :, :held] = k
+        values[:, :, :held] = v
+        self.storage[layer_idx] = (keys, values)
+        layer.keys, layer.values = keys[:, :, :held], values[:, :, :held]
+        return True
 
 
 def kv_cache(model, length: int, static: bool = False) -> dict:

@@ -661,7 +661,13 @@ def test_memory_plan_holds_gradients_only_while_training():
     s = Shape(64, 2, 4, 2, 16, 128, 1000, True, True)
     e = estimate(s, gpus=1, fsdp=False, micro_batch=1, gen_batch=65536, prompt=16, response=48)
     kv = 65536 * 64 * s.layers * 2 * s.kv_heads * s.head_dim * 2
-    assert e["generation"] == kv + 4 * s.vocab * s.hidden  # bf16: the float32 output layer
+    # decoding: bf16's float32 output layer and the sampler's five (rows, V) float32 tensors
+    assert e["generation"] == kv + 4 * s.vocab * s.hidden + 5 * 65536 * s.vocab * 4
+    # a long prompt: the prompt's pass sets the phase, its cache beside one layer's activations
+    per_token = s.layers * 2 * s.kv_heads * s.head_dim * 2  # a token's K and V, bf16
+    activations = (3 * s.intermediate + 4 * s.hidden + 2 * s.head_dim) * 2  # one layer, bf16
+    long = estimate(s, gpus=1, fsdp=False, micro_batch=1, gen_batch=8, prompt=4096, response=1)
+    assert long["generation"] == 8 * 4096 * (per_token + activations)
     assert e["peak"] == e["weights"] + e["optimizer"] + e["generation"]
     assert e["first_step_peak"] == e["weights"] + e["generation"]
     f32 = estimate(s, gpus=1, fsdp=False, micro_batch=64, gen_batch=0, prompt=16, response=48,
