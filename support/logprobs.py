@@ -252,12 +252,12 @@ class _KVCache(transformers.DynamicCache):
     layer's attention reads views of the filled part, the same K and V in the same shapes, so the
     same numbers, without the copy of the whole cache that DynamicCache's concatenation makes at
     every token. The prompt's pass keeps HF's prompt-length K and V; a layer's storage is made at
-    its first decode step, the prompt's part copied in, so the prompt pass's activations never
-    sit beside the whole cache (bench/memory_plan.py's generation term). A layer that is not a plain DynamicLayer (a sliding window) keeps HF's update.
-    `dtype` (autocast): K and V are stored in it. Under autocast the residual stream is float32,
-    so RoPE'd keys (before transformers 5.24 the values too) would be kept in float32; attention
-    casts them to the autocast dtype anyway, so storing them in it changes no number and halves
-    the cache."""
+    its first decode step, the prompt's part copied in, so the prompt pass's activations never sit
+    beside the whole cache (bench/memory_plan.py's generation term). A layer that is not a plain
+    DynamicLayer (a sliding window) keeps HF's update. `dtype` (autocast): K and V are stored in
+    it. Under autocast the residual stream is float32, so RoPE'd keys (before transformers 5.24 the
+    values too) would be kept in float32; attention casts them to the autocast dtype anyway, so
+    storing them in it changes no number and halves the cache."""
 
     def __init__(self, length: int, dtype: torch.dtype | None, **kwargs):
         super().__init__(**kwargs)
