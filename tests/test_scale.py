@@ -605,9 +605,8 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     steps = report["steps"]
     assert r.returncode == 0, r.stdout[-3000:]
     assert [steps[n]["status"] for n in steps] == ["passed"] * 8
-    rollouts = steps["rollout"]["arms"]
-    assert rollouts["default"]["generation"]["cache"] != "StaticCache"
-    assert rollouts["fast"]["generation"]["cache"] == "StaticCache"  # --fast-decode reached it
+    assert steps["full"]["generation"]["cache"] != "StaticCache"  # the default path
+    assert steps["rollout"]["generation"]["cache"] == "StaticCache"  # --fast-decode reached it
     assert steps["resume"]["default"]["identical"] and "gain" in steps["tiny"]
     update = steps["full"]["update"]
     assert update["tokens_per_s"] > 0 and update["warm_tokens_per_s"] > 0
