@@ -38,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -121,6 +121,17 @@ def hf_cache(model, length: int, static: bool = False) -> dict:
     return {}
 
 
+def random_prompts(vocab: int, rows: int, tokens: int, ragged: bool) -> list[list[int]]:
+    """`rows` prompts of `tokens` random ids from 4 to `vocab` - 1 (seed 0); with `ragged` each cut
+    to a random length from half of `tokens` to all of them."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, vocab, (rows, tokens), generator=g).tolist()
+    if ragged:
+        lengths = torch.randint(tokens // 2, tokens + 1, (rows,), generator=g)
+        prompts = [p[:n] for p, n in zip(prompts, lengths.tolist())]
+    return prompts
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -136,12 +147,11 @@ def compiled_everywhere(model, length: int, static: bool = False) -> dict:
     return {"cache_implementation": "static", "compile_config": config}
 
 
-def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bool,
-        anywhere: bool = False) -> tuple:
-    """(seconds, aten ops, bytes `cat` wrote, FSDP forward-hook events, bytes `clone` wrote) of
-    one `generate`."""
-    cfg = RolloutConfig(group_size=1, max_new_tokens=new_tokens, gen_batch_size=len(prompts),
-                        static_cache=arm.startswith("static"), pack_gqa=arm.endswith("packed"))
+@contextmanager
+def generating_as(arm: str, anywhere: bool = False):
+    """`parallel.generation` and `rollout.generate` as `arm` runs them, while inside: FSDP's hooks
+    on (`before`), HF's DynamicCache (`before`, `hooks_off`), the compile config for every device
+    (`static*` with `anywhere`). The static cache and packed attention are RolloutConfig's."""
     real = parallel._forward_hooks_off, rollout.kv_cache
     if arm == "before":
         parallel._forward_hooks_off = keep_hooks_on
@@ -149,9 +159,21 @@ def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bo
         rollout.kv_cache = hf_cache
     if arm.startswith("static") and anywhere:
         rollout.kv_cache = compiled_everywhere
+    try:
+        yield
+    finally:
+        parallel._forward_hooks_off, rollout.kv_cache = real
+
+
+def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bool,
+        anywhere: bool = False) -> tuple:
+    """(seconds, aten ops, bytes `cat` wrote, FSDP forward-hook events, bytes `clone` wrote) of
+    one `generate`."""
+    cfg = RolloutConfig(group_size=1, max_new_tokens=new_tokens, gen_batch_size=len(prompts),
+                        static_cache=arm.startswith("static"), pack_gqa=arm.endswith("packed"))
     ops, hooks = CountOps(), 0
     device = next(model.parameters()).device
-    try:
+    with generating_as(arm, anywhere):
         torch.manual_seed(0)
         with parallel.generation(model, compute):
             if not count:
@@ -165,8 +187,6 @@ def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bo
                 rollout.generate(model, tok, prompts, cfg, [])
             for event in prof.events():
                 hooks += event.name.startswith("FSDP::") and "forward" in event.name
-    finally:
-        parallel._forward_hooks_off, rollout.kv_cache = real
     return 0.0, ops.n, ops.cat_bytes, hooks, ops.clone_bytes
 
 
@@ -202,11 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)  # "cuda" names no index
     tok = build_tokenizer()
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(4, len(tok), (a.rows, a.prompt_tokens), generator=g).tolist()
-    if a.ragged:
-        lengths = torch.randint(a.prompt_tokens // 2, a.prompt_tokens + 1, (a.rows,), generator=g)
-        prompts = [p[:n] for p, n in zip(prompts, lengths.tolist())]
+    prompts = random_prompts(len(tok), a.rows, a.prompt_tokens, a.ragged)
     models, compute = {}, {}
     if set(SHARDED) & set(arms):
         sharded = shard(qwen_like(a.shape, a.layers, a.vocab, a.device), dtype)

@@ -1,0 +1,30 @@
+"""bench/generation_memory.py at a small size: the peak of live tensor bytes of one generation
+phase with the KV cache written in place (support.logprobs.kv_cache) against HF's DynamicCache.
+
+  python -m pytest -q tests/test_generation_memory.py        # ~15 s on 2 CPU cores
+"""
+
+import pytest
+
+from bench.generation_memory import measure
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROWS, LAYERS = 4, 2
+# K and V of one position in every row and layer: 2 KV heads of 128 (Qwen2.5-1.5B's), bf16
+POSITION = ROWS * LAYERS * 2 * 2 * 128 * 2
+
+
+def test_in_place_cache_adds_nothing_to_the_generation_peak():
+    """Here the prompt pass's activations (the last layer's MLP over 4 rows of 16 tokens: 4.1 MiB)
+    exceed the last decode step's output layer (3.0 MiB) by less than the cache grows in 191 steps
+    (1.5 MiB), so the peak is the last decode step's. A cache that takes its full length in the
+    prompt's pass (support.logprobs before 061eefa) holds it beside those activations: its peak
+    is the prompt pass's, 1.0 MiB over HF's cache. The in-place cache is one position longer
+    than HF's at the end: its length is the prompt's + the new tokens, yet the last token sampled
+    is never fed back."""
+    result = measure(layers=LAYERS, vocab=512, rows=ROWS, prompt_tokens=16, new_tokens=192)
+    before, after = result["peaks"]["before"], result["peaks"]["after"]
+    assert after.bytes <= before.bytes + POSITION, (after, before)
+    assert after.phase.startswith("decode step"), after
+    assert result["same_tokens"]
