@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -329,13 +328,14 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     against a float32 model without FSDP or autocast."""
     from config import update_settings
     from grpo import no_grad_logprobs
+    from support.parallel import resharded
 
     batch.advantage = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
     lp, _ = no_grad_logprobs(model, batch, update_settings(cfg), compute, device)
     stats = gap_stats(lp, batch.behav_logp, batch.completion_mask(), cfg)
-    if isinstance(model, FSDPModule):  # FSDP2 leaves the root's weights gathered (bf16 copies)
-        model.reshard()  # after a forward: the optimizer must hold the float32 shards, as train's
-    params = list(model.parameters())
+    # the float32 shards, as train.py's optimizer holds them: not the root's gathered bf16 copies,
+    # which FSDP2 keeps after a forward (the no-grad pass above)
+    params = list(resharded(model).parameters())
     before = [local(p.detach()).to("cpu", copy=True) for p in params]  # not in the GPU's peak
     optimizer = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
     live = {}

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from support.parallel import local
+from support.parallel import local, resharded
 
 
 DELTA = 1e-8  # GXPO: |g0| below this is no signal; so is |1 + r|
@@ -92,8 +92,9 @@ class LookaheadConfig:
 
 
 def trained(model) -> list[torch.Tensor]:
-    """The parameters the optimizer moves, each as this rank's part (FSDP: its shard)."""
-    return [local(p) for p in model.parameters() if p.requires_grad]
+    """The parameters the optimizer moves, each as this rank's part (FSDP: its shard, the root's
+    too after a forward left it gathered)."""
+    return [local(p) for p in resharded(model).parameters() if p.requires_grad]
 
 
 @torch.no_grad()

@@ -284,10 +284,8 @@ class _KVCache(transformers.DynamicCache):
     def _allocate(self, layer_idx: int, new: int) -> bool:
         """The layer's storage, its K and V so far copied in, when the layer already holds the
         prompt's (the first decode step) as a plain DynamicLayer and `length` fits them."""
-        layer = None
-        if layer_idx < len(self.layers):
-            layer = self.layers[layer_idx]
-        if layer is None or not getattr(layer, "is_initialized", layer.keys is not None):
+        layer = self.layers[layer_idx]  # (made with the cache, from the model's config)
+        if not layer.is_initialized:
             return False  # the prompt's pass: HF's prompt-length tensors
         held = layer.keys.shape[-2]
         if type(layer) is not transformers.DynamicLayer or held + new > self.length:

@@ -141,6 +141,16 @@ def full_tensor(t: Tensor) -> Tensor:
     return t
 
 
+def resharded(model):
+    """`model` with FSDP2's root unit sharded again: after a forward FSDP2 keeps the root's weights
+    gathered (bf16 copies under mixed precision) until the backward, so its parameters would not
+    be the float32 shards the optimizer holds. Nothing changes without FSDP."""
+    root = hf_module(model)
+    if isinstance(root, FSDPModule):
+        root.reshard()
+    return model
+
+
 def local(t: Tensor) -> Tensor:
     """This rank's part of an FSDP shard; others as they are."""
     if isinstance(t, DTensor):

@@ -245,3 +245,30 @@ def test_lookahead_sigkill_inside_the_passes_then_resume_is_bit_identical(tmp_pa
     assert "step_000002 (step 2)" in r.stderr, "resumed from the step-2 checkpoint"
     reliability.assert_same_run(ref, out)
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6
+
+
+def test_lookahead_reads_the_float32_shards_after_a_forward_left_fsdps_root_gathered(tmp_path):
+    """SFPO's θ0 and reposition, GXPO's moves act on `lookahead.trained(model)`: under FSDP2 the
+    optimizer's float32 shards. A forward (a no-grad pass before the update) leaves the root
+    unit's weights gathered, bf16 copies under mixed precision; read then, the root's weights
+    (the tied embedding and output layer, the final norm) would be those copies, which the next
+    backward drops. One process, FSDP2 as support/models.py applies it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = tiny_qwen3(100)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for unit in [*model.model.layers, model]:
+            fully_shard(unit, mp_policy=mp)
+        shards = [p.to_local().data_ptr() for p in model.parameters()]
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+        assert any(p.dtype == torch.bfloat16 for p in model.parameters())  # the root, gathered
+        got = lookahead.trained(model)
+        assert [t.data_ptr() for t in got] == shards
+        assert all(t.dtype == torch.float32 for t in got)
+    finally:
+        dist.destroy_process_group()
