@@ -175,8 +175,9 @@ def load_policy(cfg, path: str, device: torch.device, world: int):
     if adapted:
         saved = path if Path(path, "adapter_config.json").is_file() else None
         model = lora.add_adapters(model, cfg.model.lora, cfg.seed, saved)
-    for module in [m for m in (model, ref) if m is not None and cfg.model.head_tf32]:
-        head_precision(module, tf32=True)  # (the CPU ignores it)
+    if cfg.model.head_tf32:  # (the CPU ignores it)
+        for module in [m for m in (model, ref) if m is not None]:
+            head_precision(module, tf32=True)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                               reduce_dtype=torch.float32)
     for module, source, dtype in [(model, path, torch.float32), (ref, cfg.model.path, ref_dtype)]:
