@@ -195,6 +195,10 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
     try:
         r.folder.claim(overwrite)  # everything loaded and checked: the run starts writing
         if library_versions() not in r.progress["versions"]:  # a resume on other versions: both
+            if r.progress["versions"]:
+                r.notes.append(f"note: resumed on {library_versions()}, not on what the run ran "
+                               f"on ({'; '.join(r.progress['versions'])}): eval.py --compare "
+                               "refuses to pool it unless --allow-mixed")
             r.progress["versions"].append(library_versions())
         r.log, r.wandb = r.folder.open_log(cfg, r.progress, resume is not None)
         parallel.barrier()

@@ -11,8 +11,7 @@ plateau (90 % of its mean gain), each as the ratio of the arm's median to the ba
 paired bootstrap interval (seeds resampled) and verdicts at 0.5× and 0.3×; the tokens trained on
 (the update's compute) to the second target, as the same ratio; the token passes of the update
 (forward-backward) and the total compute (`compute`) to the targets, the same; steps to the final
-accuracy,
-O1-Pruner's AES, the eval entropy, tokens and rows trained in all.
+accuracy, O1-Pruner's AES, the eval entropy, tokens and rows trained in all.
 """
 
 import argparse
@@ -22,61 +21,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from analysis.compare_io import (compare_table, incomparable, positive_number, read_run, run_arg,
-                                 write)
+from analysis.compare_io import (arm_versions, compare_table, load_run, positive_number,
+                                 run_arg, write)
+from analysis.pooling import incomparable
 from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, mean_known,
                             paired_ratio, welch_p)
 from support.locks import results_dir
-from support.util import OneLineParser, RunError, flatten
-
-def load_run(path: str | Path) -> dict:
-    """A run folder: arm, seed, final figures and the eval curve [(step, generated tokens, accuracy,
-    standard error)], whose step 0 sits after RLEP's phase I."""
-    path = Path(path)
-    summary, config, rows = read_run(path)
-    rows = rows or [{}]  # an empty row: no eval, nothing generated
-    strategy = summary.get("strategy") or config.get("replay", {}).get("strategy")
-    if strategy is None:
-        raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
-    tags = [strategy]
-    if config.get("rollout", {}).get("dynamic_sampling"):  # its own arm, never the baseline
-        tags.append("dynamic")
-    if config.get("model", {}).get("lora", {}).get("rank", 0) > 0:  # adapters: lora, aper+lora
-        tags.append("lora")
-    if config.get("skip", {}).get("enabled"):  # GRESO's prompt skipping: skip, aper+skip
-        tags.append("skip")
-    if config.get("stages", {}).get("first", 0) > 0:  # staged rollouts
-        tags.append("stages")
-    optim = config.get("optim", {})
-    if optim.get("epochs", 1) > 1:  # reuse too: epochs2, epochs4+gate, aper+epochs2
-        tags.append(f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate")))
-    method = config.get("lookahead", {}).get("method", "none")
-    if method != "none":  # SFPO, GXPO: sfpo, aper+sfpo
-        tags.append(str(method))
-    phase1 = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0)
-    curve = [(0, phase1, summary.get("eval_accuracy_initial"), 0.0)]
-    trained = {0: 0}  # step: tokens the updates trained on so far (the update's compute)
-    passes = {0: (0, 0)}  # step: token passes so far, (forward-backward, no-grad) (#47)
-    for row in rows:
-        if row.get("tokens/trained") is not None:
-            trained[row.get("step")] = row["tokens/trained"]
-        if row.get("tokens/fwd_bwd") is not None:
-            passes[row.get("step")] = (row["tokens/fwd_bwd"], row.get("tokens/no_grad") or 0)
-        tokens = row.get("tokens/generated_total", row.get("generated_tokens"))
-        se = row.get("eval/accuracy_se", 0)
-        curve.append((row.get("step"), tokens, row.get("eval/accuracy"), se))
-    curve = [c for c in curve if c[2] is not None]
-    return {"path": str(path), "strategy": "+".join(tags).removeprefix("none+"),
-            "config": flatten(config),
-            "seed": summary.get("seed", config.get("seed")), "curve": curve, "trained": trained,
-            "passes": passes,
-            "finished": bool(summary),
-            "final": curve[-1][2] if curve else None,
-            "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
-            "tokens": summary.get("tokens_generated_total", tokens),
-            "trained_tokens": summary.get("tokens_trained"),  # the update's compute
-            "trained_rows": summary.get("rows_trained"),  # (None in runs before #42)
-            "entropy": summary.get("eval_entropy_final", rows[-1].get("eval/entropy"))}
+from support.util import OneLineParser, RunError
 
 
 def compute(generated: float, fwd_bwd: float, no_grad: float) -> float:
@@ -258,7 +209,9 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "entropy": math.nan if None in entropy else mean(entropy),
             "tokens": mean([run["tokens"] for run in runs]),
             "trained_tokens": mean_known([run["trained_tokens"] for run in runs]),
-            "trained_rows": mean_known([run["trained_rows"] for run in runs])}
+            "trained_rows": mean_known([run["trained_rows"] for run in runs]),
+            "versions": arm_versions(runs)}
+
 
 
 def pairs(runs: list[dict], base: list[dict], key: str) -> list[tuple[float, float]]:

@@ -1,6 +1,7 @@
-"""The files of the run comparison (analysis/compare.py): what it reads of each run folder, every
-field checked for its type and domain and the runs of an arm checked to be seeds of one config, and
-what it writes: the markdown table of the arms, compare.csv (per run), compare.json (per arm, run).
+"""The files of the run comparison (analysis/compare.py): what it reads of each run folder
+(`load_run`: the arm, the final figures, the eval curve and the counters), every field checked for
+its type and domain, and what it writes: the markdown table of the arms, compare.csv (per run),
+compare.json (per arm, run). Which runs may be pooled: analysis/pooling.py.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import math
 from pathlib import Path
 
 from config import FIELDS as CONFIG_FIELDS
-from config import Config
 from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
-from support.util import flat_dict
+from support.util import flatten
 
 NUMBER = (int, float)
 NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated_total",
@@ -24,27 +24,13 @@ NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated
 TYPES = {"strategy": str, "seed": int, "step": int} | dict.fromkeys(NUMBERS, NUMBER)
 FRACTIONS = {"eval_accuracy_initial", "eval/accuracy", "eval/accuracy_se"}  # in [0, 1]; the
 # other numbers finite and ≥ 0 (NaN, inf or a negative count would poison every mean)
-# Keys the seeds of one arm may differ in: where a run writes, how it logs, how fast it runs, how
-# often it evaluates (common_grid compares curves on the evals all runs share). Anything else
-# (evaluation settings included) changes what the runs measure: not pooled without --allow-mixed.
-UNCOMPARED = ("seed", "out_dir", "threads", "wandb.", "checkpoint.", "eval.every",
-              "reward.workers", "reward.timeout", "reward.batch_budget",
-              "model.gradient_checkpointing", "model.compile", "model.device",
-              "optim.micro_batch_size", "optim.logprob_batch_size", "rollout.gen_batch_size",
-              "rollout.vllm_")
-# Keys that define what a run measures (the model, the problems, how it is evaluated, how long a
-# completion may be and how it is sampled, what a reward is): every arm's run must share them with
-# the baseline's, or its tokens and accuracies mean something else. Adapters and the other
-# training settings are what the arms vary.
-MEASURED = ("model.", "data.", "eval.", "reward.", "rollout.max_new_tokens", "rollout.temperature",
-            "rollout.top_p", "rollout.top_k", "rollout.stop_tokens")
-NOT_MEASURED = ("model.lora.", "model.parallel", *UNCOMPARED)
 # The counters of a run (cumulative): they never fall from one row of metrics.jsonl to the next
 COUNTERS = ("generated_tokens", "tokens/generated_total", "tokens/trained", "tokens/fwd_bwd",
             "tokens/no_grad")
 FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
           "tokens_ratio", "tokens_to_gain", "trained_to_gain", "passes_to_gain", "compute_to_gain",
-          "compute_to_target", "steps_to_target", "aes", "area", "trained_tokens", "trained_rows"]
+          "compute_to_target", "steps_to_target", "aes", "area", "trained_tokens", "trained_rows",
+          "versions"]
 
 
 def run_arg(arg: str) -> tuple[str | None, str]:
@@ -69,6 +55,57 @@ def positive_number(text: str) -> float:
     return value
 
 
+def load_run(path: str | Path) -> dict:
+    """A run folder: arm, seed, final figures and the eval curve [(step, generated tokens, accuracy,
+    standard error)], whose step 0 sits after RLEP's phase I."""
+    path = Path(path)
+    summary, config, rows = read_run(path)
+    rows = rows or [{}]  # an empty row: no eval, nothing generated
+    strategy = summary.get("strategy") or config.get("replay", {}).get("strategy")
+    if strategy is None:
+        raise ValueError(f"{path}: no replay strategy in summary.json or config.yaml")
+    tags = [strategy]
+    if config.get("rollout", {}).get("dynamic_sampling"):  # its own arm, never the baseline
+        tags.append("dynamic")
+    if config.get("model", {}).get("lora", {}).get("rank", 0) > 0:  # adapters: lora, aper+lora
+        tags.append("lora")
+    if config.get("skip", {}).get("enabled"):  # GRESO's prompt skipping: skip, aper+skip
+        tags.append("skip")
+    if config.get("stages", {}).get("first", 0) > 0:  # staged rollouts
+        tags.append("stages")
+    optim = config.get("optim", {})
+    if optim.get("epochs", 1) > 1:  # reuse too: epochs2, epochs4+gate, aper+epochs2
+        tags.append(f"epochs{optim['epochs']}" + "+gate" * bool(optim.get("gate")))
+    method = config.get("lookahead", {}).get("method", "none")
+    if method != "none":  # SFPO, GXPO: sfpo, aper+sfpo
+        tags.append(str(method))
+    phase1 = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0)
+    curve = [(0, phase1, summary.get("eval_accuracy_initial"), 0.0)]
+    trained = {0: 0}  # step: tokens the updates trained on so far (the update's compute)
+    passes = {0: (0, 0)}  # step: token passes so far, (forward-backward, no-grad) (#47)
+    for row in rows:
+        if row.get("tokens/trained") is not None:
+            trained[row.get("step")] = row["tokens/trained"]
+        if row.get("tokens/fwd_bwd") is not None:
+            passes[row.get("step")] = (row["tokens/fwd_bwd"], row.get("tokens/no_grad") or 0)
+        tokens = row.get("tokens/generated_total", row.get("generated_tokens"))
+        se = row.get("eval/accuracy_se", 0)
+        curve.append((row.get("step"), tokens, row.get("eval/accuracy"), se))
+    curve = [c for c in curve if c[2] is not None]
+    return {"path": str(path), "strategy": "+".join(tags).removeprefix("none+"),
+            "config": flatten(config),
+            "seed": summary.get("seed", config.get("seed")), "curve": curve, "trained": trained,
+            "passes": passes,
+            "finished": bool(summary),
+            "final": curve[-1][2] if curve else None,
+            "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
+            "tokens": summary.get("tokens_generated_total", tokens),
+            "trained_tokens": summary.get("tokens_trained"),  # the update's compute
+            "trained_rows": summary.get("rows_trained"),  # (None in runs before #42)
+            "versions": summary.get("versions"),  # libraries it ran on (None in runs before #47)
+            "entropy": summary.get("eval_entropy_final", rows[-1].get("eval/entropy"))}
+
+
 def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
     """(summary.json, config.yaml, metrics.jsonl rows), metrics.jsonl with a row at least, every
     field load_run reads checked: ValueError naming the file (and line) otherwise."""
@@ -82,6 +119,7 @@ def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
             text = f.read()
         summary = json_line(text, summary_file, 1) or {}
         check_types(summary, summary_file, text.decode())
+        check_versions(summary, summary_file)
     if config_file.exists():
         config = read_yaml_file(config_file) or {}
         fault = config_fault(config) if isinstance(config, dict) else "not a mapping of sections"
@@ -154,6 +192,17 @@ def fits(value, tp) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)  # list[str]
 
 
+def check_versions(summary: dict, where) -> None:
+    """ValueError naming `where` unless summary.json's `versions` (the library versions a run
+    started and resumed on) is absent, null or a list of strings."""
+    versions = summary.get("versions")
+    if versions is None:
+        return
+    if not isinstance(versions, list) or not all(isinstance(v, str) for v in versions):
+        raise ValueError(f"{where}: versions must be a list of strings, "
+                         f"got {json.dumps(versions)[:40]}")
+
+
 def check_types(row: dict, where, text: str = "") -> None:
     """ValueError naming `where` and the field (and the line of `text`, a JSON document, holding
     it), for a field of another type than TYPES says (null is allowed; a bool is not a number), or
@@ -174,50 +223,15 @@ def check_types(row: dict, where, text: str = "") -> None:
             raise ValueError(f"{at}: {key} must be {want}, got {json.dumps(value)[:40]}")
 
 
-def incomparable(runs: list[dict], baseline: str) -> str | None:
-    """Why the runs cannot be compared as they are (None: they can): a run without config.yaml
-    (what it measured cannot be checked), an arm whose runs are not seeds of one config
-    (`mixed_configs`), or a run that measured something else than the baseline (`unlike`)."""
-    unchecked = [run["path"] for run in runs if not run["config"]]
-    if unchecked:
-        return (f"{unchecked[0]}: no config.yaml, so what the run measured cannot be checked "
-                "against the others; --allow-mixed compares it anyway")
-    return mixed_configs(runs) or unlike(runs, baseline)
-
-
-def unlike(runs: list[dict], baseline: str) -> str | None:
-    """Why a run measured something else than the baseline's first run (None: none did): their
-    resolved configs differ in a MEASURED key. A key one of them lacks takes config.py's default
-    (a key is added with the default that keeps the older behaviour); one config.py lacks is not
-    compared."""
-    base = next((run for run in runs if run["strategy"] == baseline), None)
-    defaults = flat_dict(Config())
-    for run in runs if base else []:
-        a, b = defaults | base["config"], defaults | run["config"]
-        for key in sorted(a.keys() & b.keys()):
-            if a[key] != b[key] and key.startswith(MEASURED) and not key.startswith(NOT_MEASURED):
-                return (f"{run['path']} (arm {run['strategy']!r}) measures something else than "
-                        f"the baseline {base['path']}: {key} is {b[key]!r:.30} there, "
-                        f"{a[key]!r:.30} in the baseline; --allow-mixed compares them anyway")
-    return None
-
-
-def mixed_configs(runs: list[dict]) -> str | None:
-    """Why the runs of one arm are not seeds of one experiment (None: they are): two resolved
-    configs of the arm differ in a key outside UNCOMPARED. Keys one of them lacks (older code)
-    are not compared."""
-    first = {}
+def arm_versions(runs: list[dict]) -> str:
+    """The library versions an arm's runs ran on, each once ("not recorded" for runs before
+    #47)."""
+    seen = []
     for run in runs:
-        base = first.setdefault(run["strategy"], run)
-        a, b = base["config"], run["config"]
-        keys = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
-        keys = [k for k in keys if not k.startswith(UNCOMPARED)]
-        if keys:
-            shown = ", ".join(f"{k} ({a[k]!r:.20} vs {b[k]!r:.20})" for k in keys[:3])
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            return (f"arm {run['strategy']!r} pools runs of different configs: {base['path']} and "
-                    f"{run['path']} differ in {shown}{more}; --allow-mixed pools them anyway")
-    return None
+        for version in run["versions"] or ["not recorded"]:
+            if version not in seen:
+                seen.append(version)
+    return "; ".join(seen)
 
 
 def compare_table(table: list[dict], target: float, budget: float, baseline: str) -> str:
@@ -234,8 +248,10 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
                f"forward-backward token passes to {100 * gain:.1f}% {paired}",
                f"total compute to {100 * gain:.1f}% {paired}",
                f"total compute to {100 * target:.1f}% {paired}",
-               f"steps to {100 * target:.1f}% ÷ {baseline}'s (95% CI)",
-               "AES (95% CI)", "eval entropy", "tokens generated", "tokens trained", "rows trained"]
+               (f"steps to {100 * target:.1f}% ÷ the steps {baseline}'s seed-mean curve takes "
+                "to hold it (95% CI)"),
+               "AES (95% CI)", "eval entropy", "tokens generated", "tokens trained", "rows trained",
+               "library versions"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for row in table:
         ratio = "never reached" if math.isinf(row["ratio_median"]) else f"{row['ratio_median']:.2f}"
@@ -255,7 +271,8 @@ def compare_table(table: list[dict], target: float, budget: float, baseline: str
                  f"{num(row['steps_ratio'], '.2f')} ({interval(row['steps_ratio_ci'])})",
                  f"{row['aes_mean']:.3f} ({interval(row['aes_ci'], fmt='.3f')})",
                  f"{row['entropy']:.3f}", f"{row['tokens']:.3g}",
-                 num(row["trained_tokens"], ".3g"), num(row["trained_rows"], ".3g")]
+                 num(row["trained_tokens"], ".3g"), num(row["trained_rows"], ".3g"),
+                 row["versions"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     base = table[0]
     if any(math.isnan(base[k][0]) for k in ("to_target", "to_gain")) or math.isnan(
@@ -299,6 +316,7 @@ def write(out: Path, runs: list[dict], result: dict) -> None:
     with open(out / "compare.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(runs)
+        for run in runs:
+            writer.writerow(run | {"versions": "; ".join(run["versions"] or [])})
     (out / "compare.json").write_text(json.dumps(result | {"runs": runs}, indent=1))
     print(f"\nwrote {out / 'compare.csv'} and {out / 'compare.json'}")

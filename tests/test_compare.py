@@ -16,6 +16,8 @@ import yaml
 
 import eval as ev
 from analysis import compare as cp
+from support.util import library_versions
+from test_checkpoint import TINY, needs_model
 
 from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 
@@ -647,6 +649,9 @@ BAD_RUNS = [  # (how the run is spoilt, the file named, what the line says)
     (lambda r: set_summary(r, rows_trained="abc"), "summary.json",
      "rows_trained must be a number"),
     (lambda r: set_summary(r, seed=[1]), "summary.json", "seed must be int, got [1]"),
+    (lambda r: set_summary(r, versions="torch 2.13"), "summary.json",
+     'versions must be a list of strings, got "torch 2.13"'),
+    (lambda r: set_summary(r, versions=[1]), "summary.json", "versions must be a list"),
     (lambda r: set_summary(r, tokens_trained=-5), "summary.json",
      "tokens_trained must be finite and ≥ 0"),
     (lambda r: set_metrics(r, lambda t: ""), "metrics.jsonl", "no rows (an empty run"),
@@ -711,3 +716,39 @@ def test_read_run_checks_every_field_in_both_files(tmp_path):
                 compare_io.read_run(run)
             (run / "metrics.jsonl").write_text(metrics)
         assert compare_io.read_run(run)[0]["seed"] == 0
+
+
+@needs_model
+def test_compare_names_the_library_versions_and_refuses_to_pool_two(tmp_path, monkeypatch,
+                                                                  capsys):
+    """Through train.py: summary.json records the versions a run ran on; the table shows each
+    arm's; a run resumed on other versions, or an arm whose runs ran on different ones, is refused
+    in one line (the numbers move with the library), --allow-mixed compares them anyway."""
+    import train
+    here = library_versions()
+    args = TINY + ["--checkpoint.every=1", "--replay.strategy=none"]
+    for seed in (0, 1):
+        out = tmp_path / f"none-s{seed}"
+        assert train.main(args + [f"--out_dir={out}", "--max_steps=2", f"--seed={seed}"]) == 0
+        assert json.loads((out / "summary.json").read_text())["versions"] == [here]
+    r = compare_cli(tmp_path / "ok", tmp_path / "none-s0", tmp_path / "none-s1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[2].endswith(f"| {here} |"), r.stdout.splitlines()[2]
+    s1 = [f"--out_dir={tmp_path / 'none-s1'}", "--seed=1", "--max_steps=3", "--resume"]
+    assert train.main(args + s1) == 0
+    other = "torch 0.0, transformers 0.0"
+    monkeypatch.setattr(train, "library_versions", lambda: other)
+    resumed = tmp_path / "none-s0"
+    assert train.main(args + [f"--out_dir={resumed}", "--max_steps=3", "--resume"]) == 0
+    note = f"note: resumed on {other}, not on what the run ran on ({here})"
+    assert note in capsys.readouterr().err
+    assert json.loads((resumed / "summary.json").read_text())["versions"] == [here, other]
+    line = compare_refused(tmp_path, resumed, tmp_path / "none-s1")
+    assert f"{resumed} ran on several library versions ({here}; {other})" in line, line
+    moved = tmp_path / "moved"
+    assert train.main(args + [f"--out_dir={moved}", "--max_steps=3", "--seed=2"]) == 0
+    line = compare_refused(tmp_path, tmp_path / "none-s1", moved)
+    assert "arm 'none' pools runs of different library versions: " \
+           f"{tmp_path / 'none-s1'} ({here}) and {moved} ({other})" in line, line
+    r = compare_cli(tmp_path / "mixed", tmp_path / "none-s1", moved, "--allow-mixed")
+    assert r.returncode == 0 and f"| {here}; {other} |" in r.stdout, r.stderr[-3000:]
