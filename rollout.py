@@ -21,7 +21,7 @@ import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from batch import Rollouts, Row, pack_groups
-from support import vllm
+from support import decode, vllm
 from support.logprobs import kv_cache, packed_gqa, use_chunked_head
 from support.parallel import hf_module
 from support.preempt import Interrupted, StopRequested, should_stop
@@ -67,6 +67,13 @@ class RolloutConfig:
     that share a KV head packed together, instead of transformers' copy of them per head
     (`support.logprobs.packed_gqa`; sdpa attention, transformers' default, only). Samples
     agree within float tolerance (docs/gpu.md)."""
+    refill: bool = False
+    """hf: decode with support/decode.py's own loop: gen_batch_size slots in one fixed-size KV
+    cache, a row that ends freeing its slot for the next row (continuous batching), the host
+    reading the device every `sync_every` steps only. Gumbel-max draws keyed by the row, so a
+    row's tokens do not depend on its batch: the default path's distribution, other draws."""
+    sync_every: int = 8
+    """rollout.refill: decode steps between the host's reads (refills, the stop check)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm, GPU: share of GPU memory the engine may take for weights and KV cache (vLLM's)."""
     vllm_kv_cache_gb: float = 0.0
@@ -92,6 +99,9 @@ class RolloutConfig:
                              "false with engine vllm (the engine keeps its own cache)"),
             "pack_gqa": (not self.pack_gqa or self.engine == "hf",
                          "false with engine vllm (the engine runs its own attention)"),
+            "refill": (not self.refill or (self.engine == "hf" and not self.static_cache),
+                       "false with engine vllm or rollout.static_cache (it keeps its own cache)"),
+            "sync_every": (0 < self.sync_every <= 10**6, "> 0 and ≤ 10^6"),
             "vllm_gpu_memory_utilization": (0 < self.vllm_gpu_memory_utilization <= 1, "in (0, 1]"),
             "vllm_kv_cache_gb": (0 <= self.vllm_kv_cache_gb < 1e6, "≥ 0 (0 = automatic)"),
         }
@@ -170,9 +180,12 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     rows = []
     try:
         with mode(model, training=False), packed_gqa(cfg.pack_gqa):
-            for start in range(0, len(expanded), cfg.gen_batch_size):
-                chunk = expanded[start : start + cfg.gen_batch_size]
-                rows += _sample(model, tokenizer, chunk, cfg, stop)
+            if cfg.refill:  # one call: its slots take the rows as earlier ones end
+                rows = _sample_slots(model, expanded, cfg, stop)
+            else:
+                for start in range(0, len(expanded), cfg.gen_batch_size):
+                    chunk = expanded[start : start + cfg.gen_batch_size]
+                    rows += _sample(model, tokenizer, chunk, cfg, stop)
     finally:
         hf.generation_config = own
     return pack_groups(rows, tokenizer, counts, prompt_idx, step, group0)
@@ -198,6 +211,24 @@ def _sample(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig,
         raise Interrupted
     completion = out[:, P:]  # (b, T)
     logp, entropy = recorder.finish(completion[:, -1])  # (b, T) each
+    return _rows(prompts, completion, logp, entropy, stop)
+
+
+def _sample_slots(model, prompts: list[list[int]], cfg: RolloutConfig,
+                  stop: list[int]) -> list[Row]:
+    """rollout.refill: a completion of each prompt from support/decode.py's loop, with a seed for
+    its draws taken from torch's global RNG (so a resumed run draws the same)."""
+    seed = int(torch.randint(2**62, (1,)))
+    out = decode.decode(model, prompts, lambda z: sampling_logits(z, cfg), stop,
+                        cfg.max_new_tokens, cfg.gen_batch_size, cfg.sync_every, seed, should_stop)
+    if out is None:  # cut short: the rows are incomplete
+        raise Interrupted
+    return _rows(prompts, *out, stop)
+
+
+def _rows(prompts: list[list[int]], completion, logp, entropy, stop: list[int]) -> list[Row]:
+    """The rows of completions (b, T) with their log-probs and entropies (b, T)."""
+    device = completion.device
     # a completion ends at its first end token; later tokens are padding
     ends = torch.isin(completion, torch.tensor(stop, dtype=torch.long, device=device))  # (b, T)
     lengths = torch.where(ends.any(1), ends.int().argmax(1) + 1, completion.shape[1]).tolist()
@@ -242,6 +273,8 @@ def make_sampler(engine: str, model, tokenizer, stop: list[int], path: str, samp
     `path` given `model`'s weights (in `dtype`) for prompts and completions of up to `longest`
     tokens, told the distribution sampled (`sampling_logits`) to measure entropies under. `what`
     names the setting in a RunError."""
+    if engine == "hf" and sampling.refill:
+        decode.check_model(model)  # before the run writes anything
     if engine == "hf":
         return HFSampler(model, tokenizer, stop)
     return vllm.make_sampler(model, tokenizer, stop, path, sampling, dtype, longest,

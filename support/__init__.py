@@ -5,6 +5,7 @@ rollout.py, grpo.py, replay.py). Nothing here imports train.py.
   prompts     chat templates, prompt ids, end tokens, and the advice when a template fails
   logprobs    the chunked float32 output layer, the shared-prompt KV pass, generation's KV cache
               and its attention without K/V copies (pack_gqa)
+  decode      generation's own decode loop: slots refilled as rows end, few host syncs (refill)
   parallel    the process group, collectives on host tensors, FSDP's gathered weights
   preempt     stopping at any moment (SIGTERM, SIGINT) and rewinding a step
   rundir      the run folder: its lock, --overwrite, atomic writes, what a resume rewrites

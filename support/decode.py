@@ -1,0 +1,214 @@
+"""Generation's own decode loop (`rollout.refill`): a fixed number of slots, each one sequence at
+its own length in one fixed-size KV cache, and a row that ends frees its slot for the next row
+(continuous batching inside one rollout), so a step's work follows the live rows, not the longest
+row times the batch. The host reads the device only every `sync_every` steps (to refill slots, to
+stop); between reads a finished slot idles. Everything else is what `rollout._sample` does: the
+model's own forward (the chunked float32 head), `rollout.sampling_logits`' distribution, the
+behaviour log-prob and entropy of every sampled token, a completion ended by its first end token.
+
+Sampling is Gumbel-max: token = argmax(z + g), g = −log(−log u), u a hash of (the call's seed, the
+row, the token's index, the vocabulary entry). That is an exact draw from softmax(z), and a row's
+draws do not depend on which slot it gets or which rows share the step, so with the same seed a
+row samples the same tokens whatever the number of slots or the order rows end in. The default
+path samples the same distribution with other draws (torch.multinomial).
+
+A prompt's prefill runs alone (batch 1) and its K and V are copied to each of its rows' slots, so
+a prompt's numbers do not depend on what it is batched with either.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import transformers
+from torch import Tensor
+
+from support.logprobs import cache_kwarg
+from support.parallel import hf_module
+from support.util import RunError
+
+# splitmix64's constants, as signed int64 (torch has no uint64 arithmetic)
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _shift(x: Tensor, bits: int) -> Tensor:
+    """x >> bits as an unsigned 64-bit shift (torch's int64 shift keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64's finaliser: every input bit moves every output bit."""
+    x = (x ^ _shift(x, 30)) * _MIX1
+    x = (x ^ _shift(x, 27)) * _MIX2
+    return x ^ _shift(x, 31)
+
+
+def gumbel(seed: int, rows: Tensor, t: Tensor, vocab: int) -> Tensor:
+    """(S, V) float32 Gumbel noise for rows `rows` (S,) at token indices `t` (S,): a function of
+    (seed, row, t, entry) alone, computed on the rows' device without a host sync."""
+    key = _mix(_mix(rows * _GOLDEN + seed) + t * _GOLDEN)  # (S,)
+    entry = torch.arange(vocab, device=rows.device) * _GOLDEN  # (V,)
+    bits = _shift(_mix(key[:, None] + entry[None]), 40)  # (S, V): 24 random bits
+    u = (bits.float() + 0.5) * 2.0**-24  # (S, V) in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+class SlotCache(transformers.DynamicCache):
+    """K and V of `slots` sequences, each written at its own position `pos` (S,): storage (S, H,
+    length, D) per layer, made at the first prompt written, so that a layer's attention gets the
+    whole storage and a mask (S, 1, 1, length) hides what a slot has not written."""
+
+    def __init__(self, config, slots: int, length: int):
+        super().__init__(config=config)
+        self.slots, self.length = slots, length
+        self.pos = None  # (S,) long: where each slot writes its next token's K and V
+        self.storage = {}  # layer index -> (keys, values), (S, H, length, D) each
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.storage[layer_idx]
+        at = torch.arange(self.slots, device=keys.device)
+        keys[at, :, self.pos] = key_states[:, :, 0].to(keys.dtype)  # (S, H, D) at (s, pos[s])
+        values[at, :, self.pos] = value_states[:, :, 0].to(values.dtype)
+        return keys, values
+
+    def write_prompt(self, prompt_cache, slot: int) -> None:
+        """Copy a prompt's K and V (a batch-1 DynamicCache) to the start of `slot`."""
+        for i, layer in enumerate(prompt_cache.layers):
+            k, v = layer.keys, layer.values  # (1, H, P, D)
+            if i not in self.storage:
+                shape = (self.slots, k.shape[1], self.length, k.shape[3])
+                self.storage[i] = (k.new_zeros(shape), v.new_zeros(shape))
+            keys, values = self.storage[i]
+            keys[slot, :, : k.shape[2]] = k[0]
+            values[slot, :, : v.shape[2]] = v[0]
+
+
+def check_model(model) -> None:
+    """RunError unless every layer attends to the whole sequence with sdpa (what the slots'
+    cache and mask implement)."""
+    config = hf_module(model).config
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        raise RunError(f"rollout.refill: the model's layers are {sorted(kinds)} (sliding "
+                       "windows are not supported): set rollout.refill false")
+    if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+        raise RunError("rollout.refill needs the model's sdpa attention, got "
+                       f"{config._attn_implementation}: set rollout.refill false")
+
+
+@torch.no_grad()
+def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: int, slots: int,
+           sync_every: int, seed: int, should_stop) -> tuple[Tensor, Tensor, Tensor]:
+    """Completions of each prompt in `prompts` (a row per entry), `slots` at a time: tokens,
+    behaviour log-probs and entropies (R, max_new) each, on the model's device; a row's entries
+    after its first end token are padding (token −1, 0). `sample(logits (S, V))` gives the
+    sampling logits z (S, V) (rollout.sampling_logits). `should_stop()` is asked at every host
+    read: True ends the call with None."""
+    check_model(model)
+    device = next(model.parameters()).device
+    R, S = len(prompts), min(slots, len(prompts))
+    length = max(map(len, prompts)) + max_new
+    config = hf_module(model).config
+    cache = SlotCache(config, S, length)
+    key = cache_kwarg(model)
+    tokens = torch.full((R + 1, max_new), -1, dtype=torch.long, device=device)  # row R: a sink
+    logp = torch.zeros(R + 1, max_new, device=device)
+    entropy = torch.zeros(R + 1, max_new, device=device)
+    stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
+    state = _Slots(S, R, device)  # what each slot holds, on the device
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    pending = list(range(R))[::-1]  # rows not started, the next last
+    left = Counter(map(tuple, prompts))  # rows of each prompt not yet placed
+    prefills = {}  # prompt (as a tuple) -> (its batch-1 cache, its last logits (1, V))
+    while True:
+        if should_stop():
+            return None
+        free = (~state.alive).nonzero().flatten().tolist()  # the host read
+        while free and pending:
+            s, r = free.pop(), pending.pop()
+            ids = tuple(prompts[r])
+            if ids not in prefills:
+                prefills[ids] = _prefill(model, config, ids, device, key)
+            prompt_cache, last = prefills[ids]
+            left[ids] -= 1
+            if not left[ids]:
+                del prefills[ids]  # its last row placed
+            cache.write_prompt(prompt_cache, s)
+            rows = torch.tensor([r], device=device)
+            zero = torch.zeros(1, dtype=torch.long, device=device)
+            first, ok = _draw(last, sample, seed, rows, zero, tokens, logp, entropy)
+            finite &= ok
+            if bool(torch.isin(first, stop_ids).any()) or max_new == 1:
+                free.append(s)  # ended at its first token: the slot takes the next row
+                continue
+            state.start(s, r, int(first), len(ids))
+        if not bool(state.alive.any()):
+            break
+        for _ in range(sync_every):
+            cache.pos = state.pos
+            out = model(input_ids=state.token[:, None], position_ids=state.pos[:, None],
+                        attention_mask=state.mask(length)[:, None, None], use_cache=True,
+                        **{key: cache})
+            nxt, ok = _draw(out.logits[:, -1], sample, seed, state.row, state.t, tokens, logp,
+                            entropy)
+            finite &= ok
+            state.advance(nxt, torch.isin(nxt, stop_ids) | (state.t + 1 >= max_new), R, length)
+    if not bool(finite):
+        raise FloatingPointError("the policy's logits are not finite (NaN or inf weights)")
+    return tokens[:R], logp[:R], entropy[:R]
+
+
+def _prefill(model, config, ids: tuple, device, key: str) -> tuple:
+    """A prompt's pass alone: its KV cache (batch 1) and the logits after its last token (1, V)."""
+    prompt_cache = transformers.DynamicCache(config=config)
+    x = torch.tensor([ids], device=device)
+    out = model(input_ids=x, use_cache=True, logits_to_keep=1, **{key: prompt_cache})
+    return prompt_cache, out.logits[:, -1]
+
+
+def _draw(logits: Tensor, sample, seed: int, rows: Tensor, t: Tensor, tokens: Tensor,
+          logp: Tensor, entropy: Tensor) -> tuple[Tensor, Tensor]:
+    """Sample each slot's next token from `logits` (S, V) and record it, its log-prob and the
+    distribution's entropy at (row, t) (a row of R, the sink, for an empty slot). Returns the
+    tokens (S,) and whether every logit was finite (a device bool)."""
+    finite = torch.isfinite(logits).all(-1, keepdim=True)  # (S, 1)
+    z = sample(torch.where(finite, logits, 0.0))  # (S, V): a bad row samples uniformly
+    lp = torch.log_softmax(z, dim=-1)  # (S, V)
+    nxt = (z + gumbel(seed, rows, t, z.shape[1])).argmax(-1)  # (S,)
+    at = (rows, t.clamp(max=tokens.shape[1] - 1))
+    tokens.index_put_(at, nxt)
+    logp.index_put_(at, lp.gather(1, nxt[:, None]).squeeze(1))
+    entropy.index_put_(at, torch.special.entr(lp.exp()).sum(-1))
+    return nxt, finite.all()
+
+
+class _Slots:
+    """Per slot, on the device: the row it decodes (R when empty), the token it feeds next and that
+    token's position, the index of the token it samples next, and whether it is live."""
+
+    def __init__(self, S: int, R: int, device):
+        self.row = torch.full((S,), R, dtype=torch.long, device=device)
+        self.token = torch.zeros(S, dtype=torch.long, device=device)
+        self.pos = torch.zeros(S, dtype=torch.long, device=device)
+        self.t = torch.zeros(S, dtype=torch.long, device=device)
+        self.alive = torch.zeros(S, dtype=torch.bool, device=device)
+
+    def start(self, s: int, r: int, first: int, prompt_len: int) -> None:
+        """Slot s decodes row r from its first sampled token, which follows its prompt."""
+        self.row[s], self.token[s], self.pos[s], self.t[s] = r, first, prompt_len, 1
+        self.alive[s] = True
+
+    def advance(self, nxt: Tensor, ended: Tensor, R: int, length: int) -> None:
+        """After a step: live slots feed `nxt` next; those that `ended` empty (row R, the sink)."""
+        self.alive &= ~ended
+        self.row = torch.where(self.alive, self.row, R)
+        self.token = nxt
+        self.pos = (self.pos + 1).clamp(max=length - 1)  # an empty slot writes in place
+        self.t = self.t + 1
+
+    def mask(self, length: int) -> Tensor:
+        """(S, length) bool: the positions each slot attends to, its own token's included."""
+        return torch.arange(length, device=self.pos.device)[None] <= self.pos[:, None]
