@@ -11,6 +11,9 @@ with the HF engine, at a real model's shape (random weights):
   packed     as after with rollout.pack_gqa: a decode step's attention on the KV heads, K and V
              never expanded per query head (support.logprobs.packed_gqa)
   static_packed  static and packed together
+  refill     as after with rollout.refill: support/decode.py's own loop (slots, a fixed-size
+             cache, Gumbel-max draws, the host reading the device every rollout.sync_every steps)
+  refill_packed  refill and packed together
   plain      one process, no FSDP, today's cache
 
   python bench/decode_step.py                    # 0.5b shape, 2 layers, 4 rows: the CPU default
@@ -24,7 +27,9 @@ reported, with useful tokens/s = rows / step time. Per decode step, also: "ops" 
 dispatched that compute (a TorchDispatchMode; views aside, which launch no kernel; on a GPU each
 of the others is a kernel launch; counted eagerly, so not for `static`), "cat MB" the bytes
 `cat` writes (HF's cache copies every layer's K and V at every token), "clone MB" the bytes
-`clone` writes (transformers' `repeat_kv` copies K and V per query head), "hooks" FSDP's
+`clone` writes (transformers' `repeat_kv` copies K and V per query head), "syncs" the device
+reads the host waits for (`.item()`, `bool()` of a tensor: aten's _local_scalar_dense; a GPU
+idles at each), "hooks" FSDP's
 forward-hook events (torch's profiler). Prompts are random token ids (--ragged: of several
 lengths, so left padding and a mask, as in training), no end token: every row runs T tokens.
 bf16: FSDP's mixed-precision policy (float32 masters), autocast for `plain`.
@@ -55,7 +60,8 @@ from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig
 from support import parallel
 
-ARMS = ("before", "hooks_off", "after", "packed", "static", "static_packed", "plain")
+ARMS = ("before", "hooks_off", "after", "packed", "static", "static_packed", "refill",
+        "refill_packed", "plain")
 SHARDED = ARMS[:-1]  # (plain: one process, no FSDP)
 SHAPES = {  # hidden, heads, KV heads, MLP, layers (Qwen2.5's configs)
     "0.5b": (896, 14, 2, 4864, 24),
@@ -167,10 +173,11 @@ def generating_as(arm: str, anywhere: bool = False):
 
 def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bool,
         anywhere: bool = False) -> tuple:
-    """(seconds, aten ops, bytes `cat` wrote, FSDP forward-hook events, bytes `clone` wrote) of
-    one `generate`."""
+    """(seconds, aten ops, bytes `cat` wrote, FSDP forward-hook events, bytes `clone` wrote, host
+    syncs) of one `generate`."""
     cfg = RolloutConfig(group_size=1, max_new_tokens=new_tokens, gen_batch_size=len(prompts),
-                        static_cache=arm.startswith("static"), pack_gqa=arm.endswith("packed"))
+                        static_cache=arm.startswith("static"), pack_gqa=arm.endswith("packed"),
+                        refill=arm.startswith("refill"))
     ops, hooks = CountOps(), 0
     device = next(model.parameters()).device
     with generating_as(arm, anywhere):
@@ -181,13 +188,14 @@ def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bo
                 t0 = time.perf_counter()
                 rollout.generate(model, tok, prompts, cfg, [])
                 sync(device)
-                return time.perf_counter() - t0, 0, 0, 0, 0
+                return time.perf_counter() - t0, 0, 0, 0, 0, 0
             activities = [torch.profiler.ProfilerActivity.CPU]
             with torch.profiler.profile(activities=activities) as prof, ops:
                 rollout.generate(model, tok, prompts, cfg, [])
             for event in prof.events():
                 hooks += event.name.startswith("FSDP::") and "forward" in event.name
-    return 0.0, ops.n, ops.cat_bytes, hooks, ops.clone_bytes
+    syncs = ops.calls.get("_local_scalar_dense", 0)
+    return 0.0, ops.n, ops.cat_bytes, hooks, ops.clone_bytes, syncs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{shape}, {a.rows} rows, prompts of {a.prompt_tokens}, {device}, torch "
           f"{torch.__version__}, transformers {result['transformers']}, {a.repeats} repeats")
     print(f"{'arm':<13} {'ms/step':>8} {'range':>15} {'tokens/s':>9} {'ops':>7} {'cat MB':>8} "
-          f"{'hooks':>6} {'clone MB':>9}")
+          f"{'hooks':>6} {'clone MB':>9} {'syncs':>6}")
     for arm in arms:
         ms = [1000 * s for s in step[arm]]
         row = {"ms_per_step": statistics.median(ms), "min": min(ms), "max": max(ms),
@@ -281,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
             row["cat_mb_per_step"] = (counts[1][2] - counts[0][2]) / (t2 - t1) / 2**20
             row["hooks_per_step"] = (counts[1][3] - counts[0][3]) / (t2 - t1)
             row["clone_mb_per_step"] = (counts[1][4] - counts[0][4]) / (t2 - t1) / 2**20
+            row["syncs_per_step"] = (counts[1][5] - counts[0][5]) / (t2 - t1)
             counted = (f" {row['ops_per_step']:7.1f} {row['cat_mb_per_step']:8.3f} "
-                       f"{row['hooks_per_step']:6.1f} {row['clone_mb_per_step']:9.3f}")
+                       f"{row['hooks_per_step']:6.1f} {row['clone_mb_per_step']:9.3f} "
+                       f"{row['syncs_per_step']:6.2f}")
         result["arms"][arm] = row
         print(f"{arm:<13} {row['ms_per_step']:8.2f} {row['min']:7.2f}-{row['max']:<7.2f} "
               f"{row['tokens_per_s']:9.0f}{counted}")

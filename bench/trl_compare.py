@@ -7,6 +7,7 @@ Usage:
   python bench/trl_compare.py --steps 10 --rounds 1 --model.path=/tmp/model \
       --optim.micro_batch_size=64
   python bench/trl_compare.py --before /tmp/before  # and another checkout's train.py, alternating
+  python bench/trl_compare.py --variant="--rollout.refill=true"  # and train.py with these keys
 
 Both sides read one resolved config (the file plus any --key=value overrides, as train.py does), so
 they share the model, the training problems, prompts × group size, max_new_tokens,
@@ -192,6 +193,8 @@ def main() -> None:
     ap.add_argument("--out", default="", help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--before", default="", help="another checkout (e.g. `git worktree add "
                     "/tmp/before REV`): its train.py runs as a third side, `before`, in each round")
+    ap.add_argument("--variant", default="", help="overrides (e.g. '--rollout.refill=true') of a "
+                    "side `variant`: train.py with them, in each round")
     a, overrides = ap.parse_known_args()
     overrides += [f"--threads={os.environ.get('BENCH_THREADS', '1')}"]
     root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="trl_compare_"))
@@ -199,6 +202,8 @@ def main() -> None:
     sides = ["ours", "trl"]
     if a.before:
         sides.append("before")
+    if a.variant:
+        sides.append("variant")
     results = {side: [] for side in sides}
     for r in range(a.rounds):
         order = sides if r % 2 == 0 else sides[::-1]  # ABC CBA ...
@@ -207,6 +212,8 @@ def main() -> None:
             out = root / f"{side}_{r}"
             if side == "trl":
                 res = trl(a.config, overrides, a.steps, a.seed + r, out)
+            elif side == "variant":
+                res = ours(a.config, overrides + a.variant.split(), a.steps, a.seed + r, out)
             else:
                 tree = Path(a.before).resolve() if side == "before" else REPO
                 res = ours(a.config, overrides, a.steps, a.seed + r, out, tree)
@@ -229,6 +236,12 @@ def main() -> None:
               f"{s_before['tokens_per_s']:.0f} generated tokens/s, before/TRL "
               f"{s_before['median_step'] / s_trl['median_step']:.2f}, after/before "
               f"{s_ours['median_step'] / s_before['median_step']:.2f}")
+    if a.variant:
+        s_variant = summarize(results["variant"])
+        print(f"variant ({a.variant}): median step {s_variant['median_step']:.2f} s, "
+              f"{s_variant['tokens_per_s']:.0f} generated tokens/s, variant/TRL "
+              f"{s_variant['median_step'] / s_trl['median_step']:.2f}, variant/train.py "
+              f"{s_variant['median_step'] / s_ours['median_step']:.2f}")
     print(f"{'peak resident memory (MB)':28s}{s_ours['rss_mb']:12d}{s_trl['rss_mb']:12d}"
           f"{s_ours['rss_mb'] / s_trl['rss_mb']:10.2f}")
     print(f"{'eval accuracy after':28s}{s_ours['acc_final']:12.3f}{s_trl['acc_final']:12.3f}"
