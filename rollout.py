@@ -60,8 +60,9 @@ class RolloutConfig:
     """What samples: `hf` (HF generate, the reference loop) or `vllm` (support/vllm.py)."""
     static_cache: bool = False
     """hf: a fixed-size KV cache, with which transformers compiles the decode step on a GPU
-    (torch.compile, CUDA graphs: far less host time a token). Samples agree with the default
-    cache's within float tolerance, not bit for bit (docs/gpu.md)."""
+    (torch.compile, CUDA graphs: far less host time a token); with `refill`, the slots' own decode
+    step compiled on a GPU. Samples agree with the default cache's within float tolerance, not
+    bit for bit (docs/gpu.md)."""
     pack_gqa: bool = False
     """hf: at each decode step, attention reads the cached K and V as they are, the query heads
     that share a KV head packed together, instead of transformers' copy of them per head
@@ -99,8 +100,7 @@ class RolloutConfig:
                              "false with engine vllm (the engine keeps its own cache)"),
             "pack_gqa": (not self.pack_gqa or self.engine == "hf",
                          "false with engine vllm (the engine runs its own attention)"),
-            "refill": (not self.refill or (self.engine == "hf" and not self.static_cache),
-                       "false with engine vllm or rollout.static_cache (it keeps its own cache)"),
+            "refill": (not self.refill or self.engine == "hf", "false with engine vllm"),
             "sync_every": (0 < self.sync_every <= 10**6, "> 0 and ≤ 10^6"),
             "vllm_gpu_memory_utilization": (0 < self.vllm_gpu_memory_utilization <= 1, "in (0, 1]"),
             "vllm_kv_cache_gb": (0 <= self.vllm_kv_cache_gb < 1e6, "≥ 0 (0 = automatic)"),
@@ -219,8 +219,10 @@ def _sample_slots(model, prompts: list[list[int]], cfg: RolloutConfig,
     """rollout.refill: a completion of each prompt from support/decode.py's loop, with a seed for
     its draws taken from torch's global RNG (so a resumed run draws the same)."""
     seed = int(torch.randint(2**62, (1,)))
+    compiled = cfg.static_cache and next(model.parameters()).device.type == "cuda"
     out = decode.decode(model, prompts, lambda z: sampling_logits(z, cfg), stop,
-                        cfg.max_new_tokens, cfg.gen_batch_size, cfg.sync_every, seed, should_stop)
+                        cfg.max_new_tokens, cfg.gen_batch_size, cfg.sync_every, seed, should_stop,
+                        compiled)
     if out is None:  # cut short: the rows are incomplete
         raise Interrupted
     return _rows(prompts, *out, stop)

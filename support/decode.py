@@ -28,30 +28,44 @@ from support.logprobs import cache_kwarg
 from support.parallel import hf_module
 from support.util import RunError
 
-# splitmix64's constants, as signed int64 (torch has no uint64 arithmetic)
+# splitmix64's constants as signed int64, murmur3's as int32 (torch has no unsigned arithmetic)
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+_GOLDEN32 = -1640531527  # 0x9E3779B9
+_FMIX1 = -2048144789  # 0x85EBCA6B
+_FMIX2 = -1028477387  # 0xC2B2AE35
 
 
 def _shift(x: Tensor, bits: int) -> Tensor:
-    """x >> bits as an unsigned 64-bit shift (torch's int64 shift keeps the sign)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+    """x >> bits as an unsigned shift of x's width (torch's shift keeps the sign)."""
+    width = 8 * x.element_size()
+    return (x >> bits) & ((1 << (width - bits)) - 1)
 
 
-def _mix(x: Tensor) -> Tensor:
+def _mix64(x: Tensor) -> Tensor:
     """splitmix64's finaliser: every input bit moves every output bit."""
     x = (x ^ _shift(x, 30)) * _MIX1
     x = (x ^ _shift(x, 27)) * _MIX2
     return x ^ _shift(x, 31)
 
 
-def gumbel(seed: int, rows: Tensor, t: Tensor, vocab: int) -> Tensor:
+def _mix32(x: Tensor) -> Tensor:
+    """murmur3's 32-bit finaliser."""
+    x = (x ^ _shift(x, 16)) * _FMIX1
+    x = (x ^ _shift(x, 13)) * _FMIX2
+    return x ^ _shift(x, 16)
+
+
+def gumbel(seed: Tensor | int, rows: Tensor, t: Tensor, vocab: int) -> Tensor:
     """(S, V) float32 Gumbel noise for rows `rows` (S,) at token indices `t` (S,): a function of
-    (seed, row, t, entry) alone, computed on the rows' device without a host sync."""
-    key = _mix(_mix(rows * _GOLDEN + seed) + t * _GOLDEN)  # (S,)
-    entry = torch.arange(vocab, device=rows.device) * _GOLDEN  # (V,)
-    bits = _shift(_mix(key[:, None] + entry[None]), 40)  # (S, V): 24 random bits
+    (seed, row, t, entry) alone, computed on the rows' device without a host sync. A 64-bit key
+    per (seed, row, t), then a 32-bit hash per entry (int32 arithmetic: inductor's CPU code for
+    int64 vectors corrupted memory in torch 2.13)."""
+    key = _mix64(_mix64(rows * _GOLDEN + seed) + t * _GOLDEN)  # (S,)
+    key = ((key ^ _shift(key, 32)) & 0x7FFFFFFF).to(torch.int32)  # (S,): 31 bits
+    entry = torch.arange(vocab, dtype=torch.int32, device=rows.device) * _GOLDEN32  # (V,)
+    bits = _shift(_mix32(key[:, None] + entry[None]), 8)  # (S, V): 24 random bits
     u = (bits.float() + 0.5) * 2.0**-24  # (S, V) in (0, 1)
     return -torch.log(-torch.log(u))
 
@@ -81,6 +95,8 @@ class SlotCache(transformers.DynamicCache):
             if i not in self.storage:
                 shape = (self.slots, k.shape[1], self.length, k.shape[3])
                 self.storage[i] = (k.new_zeros(shape), v.new_zeros(shape))
+                for x in self.storage[i]:  # a compiled step's CUDA graphs write into them
+                    torch._dynamo.mark_static_address(x)
             keys, values = self.storage[i]
             keys[slot, :, : k.shape[2]] = k[0]
             values[slot, :, : v.shape[2]] = v[0]
@@ -101,7 +117,8 @@ def check_model(model) -> None:
 
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: int, slots: int,
-           sync_every: int, seed: int, should_stop) -> tuple[Tensor, Tensor, Tensor]:
+           sync_every: int, seed: int, should_stop,
+           compiled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Completions of each prompt in `prompts` (a row per entry), `slots` at a time: tokens,
     behaviour log-probs and entropies (R, max_new) each, on the model's device; a row's entries
     after its first end token are padding (token −1, 0). `sample(logits (S, V))` gives the
@@ -109,6 +126,10 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
     read: True ends the call with None."""
     check_model(model)
     device = next(model.parameters()).device
+    step = _step
+    if compiled:
+        step = _compiled_step(device)
+    noise_seed = torch.tensor(seed, device=device)  # a tensor: a compiled step takes any seed
     R, S = len(prompts), min(slots, len(prompts))
     length = max(map(len, prompts)) + max_new
     config = hf_module(model).config
@@ -139,7 +160,10 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
             cache.write_prompt(prompt_cache, s)
             rows = torch.tensor([r], device=device)
             zero = torch.zeros(1, dtype=torch.long, device=device)
-            first, ok = _draw(last, sample, seed, rows, zero, tokens, logp, entropy)
+            first, lp, ent, ok = _sampled(last, sample, noise_seed, rows, zero)
+            tokens[r, 0] = first[0]
+            logp[r, 0] = lp[0]
+            entropy[r, 0] = ent[0]
             finite &= ok
             if bool(torch.isin(first, stop_ids).any()) or max_new == 1:
                 free.append(s)  # ended at its first token: the slot takes the next row
@@ -149,16 +173,50 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
             break
         for _ in range(sync_every):
             cache.pos = state.pos
-            out = model(input_ids=state.token[:, None], position_ids=state.pos[:, None],
-                        attention_mask=state.mask(length)[:, None, None], use_cache=True,
-                        **{key: cache})
-            nxt, ok = _draw(out.logits[:, -1], sample, seed, state.row, state.t, tokens, logp,
-                            entropy)
+            nxt, lp, ent, ok = step(model, cache, key, state.token, state.pos, state.row, state.t,
+                                    sample, noise_seed)
+            at = (state.row, state.t.clamp(max=max_new - 1))
+            tokens.index_put_(at, nxt)
+            logp.index_put_(at, lp)
+            entropy.index_put_(at, ent)
             finite &= ok
             state.advance(nxt, torch.isin(nxt, stop_ids) | (state.t + 1 >= max_new), R, length)
     if not bool(finite):
         raise FloatingPointError("the policy's logits are not finite (NaN or inf weights)")
     return tokens[:R], logp[:R], entropy[:R]
+
+
+def _step(model, cache, key: str, token: Tensor, pos: Tensor, row: Tensor, t: Tensor, sample,
+          seed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One decode step of every slot: the model's forward on each slot's token at its position
+    (K and V written at `cache.pos`), then the next tokens (S,) drawn, their log-probs (S,), the
+    distributions' entropies (S,) and whether every logit was finite (a device bool)."""
+    mask = torch.arange(cache.length, device=pos.device)[None] <= pos[:, None]  # (S, length)
+    out = model(input_ids=token[:, None], position_ids=pos[:, None],
+                attention_mask=mask[:, None, None], use_cache=True, **{key: cache})
+    return _sampled(out.logits[:, -1], sample, seed, row, t)
+
+
+_COMPILED = {}
+
+
+def _compiled_step(device: torch.device):
+    """`_step` compiled: on a GPU with CUDA graphs (mode reduce-overhead), elsewhere by inductor."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(_step, mode=mode)
+    return _COMPILED[mode]
+
+
+def _sampled(logits: Tensor, sample, seed, rows: Tensor, t: Tensor) -> tuple:
+    """Each slot's next token drawn from `logits` (S, V) (Gumbel-max), its log-prob, the
+    distribution's entropy (S,) each, and whether every logit was finite."""
+    finite = torch.isfinite(logits).all(-1, keepdim=True)  # (S, 1)
+    z = sample(torch.where(finite, logits, 0.0))  # (S, V): a bad row samples uniformly
+    lp = torch.log_softmax(z, dim=-1)  # (S, V)
+    nxt = (z + gumbel(seed, rows, t, z.shape[1])).argmax(-1)  # (S,)
+    ent = torch.special.entr(lp.exp()).sum(-1)
+    return nxt, lp.gather(1, nxt[:, None]).squeeze(1), ent, finite.all()
 
 
 def _prefill(model, config, ids: tuple, device, key: str) -> tuple:
@@ -167,22 +225,6 @@ def _prefill(model, config, ids: tuple, device, key: str) -> tuple:
     x = torch.tensor([ids], device=device)
     out = model(input_ids=x, use_cache=True, logits_to_keep=1, **{key: prompt_cache})
     return prompt_cache, out.logits[:, -1]
-
-
-def _draw(logits: Tensor, sample, seed: int, rows: Tensor, t: Tensor, tokens: Tensor,
-          logp: Tensor, entropy: Tensor) -> tuple[Tensor, Tensor]:
-    """Sample each slot's next token from `logits` (S, V) and record it, its log-prob and the
-    distribution's entropy at (row, t) (a row of R, the sink, for an empty slot). Returns the
-    tokens (S,) and whether every logit was finite (a device bool)."""
-    finite = torch.isfinite(logits).all(-1, keepdim=True)  # (S, 1)
-    z = sample(torch.where(finite, logits, 0.0))  # (S, V): a bad row samples uniformly
-    lp = torch.log_softmax(z, dim=-1)  # (S, V)
-    nxt = (z + gumbel(seed, rows, t, z.shape[1])).argmax(-1)  # (S,)
-    at = (rows, t.clamp(max=tokens.shape[1] - 1))
-    tokens.index_put_(at, nxt)
-    logp.index_put_(at, lp.gather(1, nxt[:, None]).squeeze(1))
-    entropy.index_put_(at, torch.special.entr(lp.exp()).sum(-1))
-    return nxt, finite.all()
 
 
 class _Slots:
@@ -209,6 +251,3 @@ class _Slots:
         self.pos = (self.pos + 1).clamp(max=length - 1)  # an empty slot writes in place
         self.t = self.t + 1
 
-    def mask(self, length: int) -> Tensor:
-        """(S, length) bool: the positions each slot attends to, its own token's included."""
-        return torch.arange(length, device=self.pos.device)[None] <= self.pos[:, None]

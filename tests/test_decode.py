@@ -6,6 +6,7 @@ config's rules, and a run through train.py that resumes bit for bit after SIGKIL
   python -m pytest -q tests/test_decode.py        # ~1 min on 2 CPU cores
 """
 
+import functools
 import math
 
 import pytest
@@ -137,6 +138,28 @@ def test_a_row_does_not_depend_on_its_slot_or_its_companions():
         assert (a.behav_logp - other.behav_logp).abs().max() <= 5e-5
 
 
+def test_compiled_decode_step_samples_what_the_eager_one_does():
+    """rollout.refill with rollout.static_cache compiles the slots' decode step (on a GPU: CUDA
+    graphs); compiled here by inductor on the CPU: the same tokens as the eager step, log-probs
+    and entropies within 5e-5 (inductor's kernels round otherwise), and a second call with
+    another seed runs the compiled graphs again, not a new compile."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))
+    prompts = [tok("1+" * (i + 1) + "=")["input_ids"] for i in range(4) for _ in range(2)]
+    cfg = RolloutConfig(max_new_tokens=10, top_p=0.9)
+    sample = functools.partial(rollout.sampling_logits, cfg=cfg)
+    out, graphs = {}, []
+    for compiled, seed in ((False, 5), (True, 5), (True, 6)):
+        out[compiled, seed] = decode.decode(model, prompts, sample, STOP, 10, 3, 2, seed,
+                                            lambda: False, compiled)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    a, b = out[False, 5], out[True, 5]
+    assert torch.equal(a[0], b[0])
+    assert (a[1] - b[1]).abs().max() <= 5e-5 and (a[2] - b[2]).abs().max() <= 5e-5
+    assert not torch.equal(out[True, 6][0], b[0])
+    assert graphs[0] < graphs[1] == graphs[2]  # compiled at the first call, not again
+
+
 def test_refill_stops_at_a_host_read_and_checks_finiteness():
     """A stop request ends generation at the next host read (Interrupted); NaN weights raise the
     sampler's error at the end."""
@@ -166,11 +189,10 @@ def test_refill_stops_at_a_host_read_and_checks_finiteness():
 
 
 def test_refill_rules():
-    """rollout.refill wants the hf engine without rollout.static_cache; sync_every > 0; a model
+    """rollout.refill wants the hf engine; sync_every > 0; a model
     with sliding-window layers or another attention than sdpa is refused in one line."""
-    for bad in ({"engine": "vllm"}, {"static_cache": True}):
-        ok, rule = RolloutConfig(refill=True, **bad).check()["refill"]
-        assert not ok and "vllm" in rule and "static_cache" in rule
+    ok, rule = RolloutConfig(refill=True, engine="vllm").check()["refill"]
+    assert not ok and "vllm" in rule
     assert not RolloutConfig(sync_every=0).check()["sync_every"][0]
     model = qwen2(64)
     model.config.layer_types = ["sliding_attention", "full_attention"]
