@@ -219,7 +219,7 @@ def _sample_slots(model, prompts: list[list[int]], cfg: RolloutConfig,
     """rollout.refill: a completion of each prompt from support/decode.py's loop, with a seed for
     its draws taken from torch's global RNG (so a resumed run draws the same)."""
     seed = int(torch.randint(2**62, (1,)))
-    compiled = cfg.static_cache and next(model.parameters()).device.type == "cuda"
+    compiled = cfg.static_cache and decode.compiles(next(model.parameters()).device)
     out = decode.decode(model, prompts, lambda z: sampling_logits(z, cfg), stop,
                         cfg.max_new_tokens, cfg.gen_batch_size, cfg.sync_every, seed, should_stop,
                         compiled)

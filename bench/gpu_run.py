@@ -1,5 +1,5 @@
 """The run on a real GPU (issue #41): every CUDA path of a paper config through one H100 or H200 in
-about 8.5 minutes (its caps add up to 27), one step after another, cheapest first, each under its
+about 8.5 minutes (its caps add up to 31), one step after another, cheapest first, each under its
 own time cap, so that a slow step cannot eat the rest. Writes <out>/gpu_run.json (written again
 after every step) and <out>/gpu_run.log (every child's whole output).
 
@@ -26,6 +26,11 @@ Steps:
           tokens/s before (FSDP hooks on during generation, HF's DynamicCache), after (hooks off,
           the KV cache written in place) and with rollout.static_cache (compiled, CUDA graphs),
           in one run; the target is 10,000 useful tokens/s.
+  refill  bench/rollout_refill.py at Qwen2.5-1.5B's shape: 512 rows (64 prompts x 8) of up to
+          1,024 new tokens, rows ending at random lengths (mean 256), 128 at a time, prompts of
+          512, bf16: HF generate with rollout.static_cache and rollout.pack_gqa (compiled) against
+          rollout.refill with them (the slots' step compiled, CUDA graphs), in one run; useful
+          tokens/s against the same 10,000.
   rollout a whole rollout at the full step's shape through rollout.generate with
           rollout.static_cache and rollout.pack_gqa (compiled by a first, untimed rollout); its
           useful tokens/s against the same 10,000 (the full step's: the default path's).
@@ -59,8 +64,8 @@ CHECK = [sys.executable, str(REPO / "bench" / "gpu_check.py")]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 TINY = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
         "--wandb.mode=disabled"]
-CAPS = {"env": 60, "check": 240, "tiny": 150, "resume": 150, "decode": 300, "rollout": 240,
-        "full": 300, "lora": 180}
+CAPS = {"env": 60, "check": 240, "tiny": 150, "resume": 150, "decode": 300, "refill": 240,
+        "rollout": 240, "full": 300, "lora": 180}
 """Seconds each step may take on the GPU (a dry run gets the same)."""
 MIN_CAP = 20  # seconds: a step with less of the budget left is not run
 DRY = ["--shape", "dry", "--prompts", "2", "--group-size", "2", "--prompt-tokens", "16",
@@ -415,6 +420,31 @@ def decode_step(a, report: Report, cap: float) -> dict:
     return r | {"status": "passed" if passed else "missed", "target_tokens_per_s": DECODE_TARGET}
 
 
+def refill_step(a, report: Report, cap: float) -> dict:
+    """bench/rollout_refill.py's static and refill_static arms at Qwen2.5-1.5B's shape (512 rows
+    of up to 1,024 new tokens, mean 256, 128 slots, prompts of 512, bf16), each compiled first in
+    an untimed rollout of 128 rows. Passes when both ran and the best reaches DECODE_TARGET. The
+    dry run compiles both on the CPU (--compile-anywhere)."""
+    sizes = ["--shape", "1.5b", "--layers", "0", "--rows", "512", "--slots", "128",
+             "--max-new", "1024", "--mean-len", "256", "--prompt-tokens", "512", "--same-length",
+             "--dtype", "bfloat16", "--device", "cuda", "--repeats", "1", "--no-count"]
+    if a.dry_run:
+        sizes = ["--layers", "2", "--rows", "8", "--group", "2", "--slots", "4",
+                 "--prompt-tokens", "16", "--max-new", "24", "--mean-len", "8", "--repeats", "1",
+                 "--no-count", "--compile-anywhere"]
+    out = Path(a.work) / "rollout_refill.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "bench" / "rollout_refill.py"), *sizes,
+           "--arms", "static,refill_static", "--json", str(out)]
+    code, text, _ = child(cmd, report, cap)
+    if code != 0 or not out.is_file():
+        return {"status": "failed", "exit": code, "tail": tail(text)}
+    r = json.loads(out.read_text())
+    best = max([arm["tokens_per_s"] for arm in r["arms"].values()], default=0.0)
+    passed = len(r["arms"]) == 2 and (best >= DECODE_TARGET or a.dry_run)
+    return r | {"status": "passed" if passed else "missed", "target_tokens_per_s": DECODE_TARGET}
+
+
 def rollout_step(a, report: Report, cap: float) -> dict:
     """A whole rollout at the `full` step's shape (Qwen2.5-1.5B, 128 rows, prompts of 512, up to
     1,024 new tokens, FSDP2 on one GPU) through rollout.generate with rollout.static_cache and
@@ -434,7 +464,8 @@ def rollout_step(a, report: Report, cap: float) -> dict:
 
 
 STEPS = {"env": env_step, "check": check_step, "tiny": tiny_step, "resume": resume_step,
-         "decode": decode_step, "rollout": rollout_step, "full": full_step, "lora": lora_step}
+         "decode": decode_step, "refill": refill_step, "rollout": rollout_step,
+         "full": full_step, "lora": lora_step}
 
 
 def main(argv: list[str] | None = None) -> int:

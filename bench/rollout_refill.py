@@ -1,24 +1,35 @@
-"""A whole rollout, side by side: `rollout.generate` as a run calls it, HF generate in calls of
---slots rows (`default`) against support/decode.py's loop with --slots slots refilled as rows end
-(`refill`, rollout.refill), at a real model's shape with random weights, where rows end at random
-lengths: a random model samples near-uniformly, so a stop set of vocab / --mean-len token ids ends
-a row with probability 1 / --mean-len at each token (capped at --max-new).
+"""A whole rollout, side by side: `rollout.generate` as a run calls it, at a real model's shape
+with random weights, where rows end at random lengths (a random model samples near-uniformly, so
+a stop set of vocab / --mean-len token ids ends a row with probability 1 / --mean-len at each
+token, capped at --max-new). Arms, each with gen_batch_size --slots:
+
+  default        HF generate in calls of --slots rows (today's path)
+  static         the same with rollout.static_cache and rollout.pack_gqa (transformers compiles
+                 the decode step on a GPU: CUDA graphs)
+  refill         rollout.refill: support/decode.py's --slots slots, a row that ends freeing its
+                 slot for the next, the host reading the device every --sync-every steps
+  refill_static  refill with rollout.static_cache and rollout.pack_gqa: its step compiled (CUDA
+                 graphs on a GPU)
 
 HF generate runs each call until its longest row ends, the finished rows still computed; refill
-gives a finished row's slot to the next row. Per arm (alternating, median over --repeats): seconds
-a rollout, useful tokens/s (completion tokens sampled), row-steps (rows computed at each decode
-step, summed: the work done) per useful token, and host syncs (aten's _local_scalar_dense: .item(),
-bool() of a tensor) per useful token. The arms sample other draws (torch.multinomial / Gumbel-max):
-their lengths differ by chance, so the per-token figures are the comparison.
+gives a finished row's slot to the next row, so with more rows than slots its steps follow the
+total tokens. Per arm (alternating, median over --repeats; a compiled arm first compiles in an
+untimed rollout of --slots rows): seconds a rollout, useful tokens/s (completion tokens sampled),
+row-steps (rows computed at each decode step, summed: the work done) per useful token and, unless
+--no-count, host syncs (aten's _local_scalar_dense: .item(), bool() of a tensor) per useful
+token, counted eagerly. The arms draw differently (torch.multinomial / Gumbel-max): their lengths
+differ by chance, so the per-token figures are the comparison.
 
-  python bench/rollout_refill.py                             # 0.5b shape, 2 layers, this CPU
-  python bench/rollout_refill.py --shape 1.5b --layers 0 --rows 256 --slots 128 --max-new 1024 \\
-      --prompt-tokens 512 --dtype bfloat16 --device cuda --json out.json             # a GPU
+  python bench/rollout_refill.py --arms default,refill           # 0.5b shape, 2 layers, a CPU
+  python bench/rollout_refill.py --shape 1.5b --layers 0 --rows 512 --slots 128 --max-new 1024 \
+      --mean-len 256 --prompt-tokens 512 --dtype bfloat16 --device cuda --repeats 1 --no-count \
+      --arms static,refill_static --json out.json                                   # a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -31,11 +42,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import rollout
-from bench.decode_step import SHAPES, CountOps, qwen_like, random_prompts, sync
+from bench.decode_step import SHAPES, CountOps, compiled_everywhere, qwen_like, random_prompts, sync
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig
+from support import decode
 
-ARMS = ("default", "refill")
+ARMS = ("default", "static", "refill", "refill_static")
 
 
 def one(model, tok, prompts: list, cfg: RolloutConfig, stop: list[int], count: bool) -> dict:
@@ -67,6 +79,13 @@ def one(model, tok, prompts: list, cfg: RolloutConfig, stop: list[int], count: b
             "syncs": ops.calls.get("_local_scalar_dense", 0)}
 
 
+def static_anywhere(eager_cache, model, length: int, static: bool = False) -> dict:
+    """`rollout.kv_cache`, transformers' compile config for every device when `static`."""
+    if static:
+        return compiled_everywhere(model, length, static)
+    return eager_cache(model, length, static)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,20 +104,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default="", help="also write the figures here")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--no-count", action="store_true", help="skip the host sync counts")
+    ap.add_argument("--same-length", action="store_true", help="every prompt --prompt-tokens long "
+                    "(default: 1/2 to all of it): HF's static arm then compiles for one shape")
+    ap.add_argument("--compile-anywhere", action="store_true",
+                    help="the static arms compile on this device too (a CPU's dry run)")
     a = ap.parse_args(argv)
+    arms = a.arms.split(",")
     torch.set_num_threads(a.threads)
+    if a.compile_anywhere:  # the static arms compile on this device too
+        eager_cache = rollout.kv_cache
+        rollout.kv_cache = functools.partial(static_anywhere, eager_cache)
+        decode.COMPILE_ANYWHERE = True
     tok = build_tokenizer()
     model = qwen_like(a.shape, a.layers, a.vocab, a.device).to(getattr(torch, a.dtype))
-    prompts = random_prompts(len(tok), a.rows // a.group, a.prompt_tokens, ragged=True)
+    prompts = random_prompts(len(tok), a.rows // a.group, a.prompt_tokens, not a.same_length)
     stop = list(range(4, 4 + max(1, a.vocab // a.mean_len)))
-    cfgs = {arm: RolloutConfig(group_size=a.group, batch_size=a.rows, max_new_tokens=a.max_new,
-                               gen_batch_size=a.slots, refill=arm == "refill",
-                               sync_every=a.sync_every) for arm in ARMS}
-    for arm in ARMS:  # warm-up
-        one(model, tok, prompts, cfgs[arm], stop, count=False)
-    runs = {arm: [] for arm in ARMS}
+    cfgs = {}
+    for arm in arms:
+        static = arm.endswith("static")
+        cfgs[arm] = RolloutConfig(group_size=a.group, batch_size=a.rows, max_new_tokens=a.max_new,
+                                  gen_batch_size=a.slots, refill=arm.startswith("refill"),
+                                  sync_every=a.sync_every, static_cache=static, pack_gqa=static)
+    first = {}
+    for arm in arms:  # warm-up: a compiled arm compiles here, on --slots rows
+        t0 = time.perf_counter()
+        one(model, tok, prompts[: max(1, a.slots // a.group)], cfgs[arm], stop, count=False)
+        first[arm] = time.perf_counter() - t0
+    runs = {arm: [] for arm in arms}
     for _ in range(a.repeats):
-        for arm in ARMS:
+        for arm in arms:
             runs[arm].append(one(model, tok, prompts, cfgs[arm], stop, count=False))
     layers = model.config.num_hidden_layers
     shape = f"Qwen2.5-{a.shape}-like, {layers} layers, vocabulary {a.vocab}, {a.dtype}"
@@ -108,23 +144,29 @@ def main(argv: list[str] | None = None) -> int:
               "threads": a.threads, "torch": torch.__version__,
               "transformers": sys.modules["transformers"].__version__, "repeats": a.repeats,
               "arms": {}}
+    if torch.cuda.is_available() and a.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name()
     print(f"{shape}, {a.rows} rows ({a.group} a prompt), {a.slots} slots, up to {a.max_new} new "
           f"tokens (mean {a.mean_len}), {a.device}, torch {torch.__version__}, transformers "
           f"{result['transformers']}, {a.repeats} repeats")
-    print(f"{'arm':<8} {'s/rollout':>10} {'tokens':>7} {'tokens/s':>9} {'row-steps/token':>16} "
-          f"{'syncs/token':>12}")
-    for arm in ARMS:
-        counted = one(model, tok, prompts, cfgs[arm], stop, count=True)
+    print(f"{'arm':<14} {'s/rollout':>10} {'tokens':>7} {'tokens/s':>9} {'row-steps/token':>16} "
+          f"{'syncs/token':>12} {'first s':>8}")
+    for arm in arms:
         seconds = statistics.median(r["seconds"] for r in runs[arm])
         tokens = statistics.median(r["tokens"] for r in runs[arm])
         row = {"seconds": seconds, "tokens": tokens,
                "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in runs[arm]),
                "row_steps_per_token": statistics.median(r["row_steps"] / r["tokens"]
                                                         for r in runs[arm]),
-               "syncs_per_token": counted["syncs"] / counted["tokens"]}
+               "first_seconds": first[arm]}
+        syncs = "-"
+        if not a.no_count and not arm.endswith("static"):  # (counted eagerly)
+            counted = one(model, tok, prompts, cfgs[arm], stop, count=True)
+            row["syncs_per_token"] = counted["syncs"] / counted["tokens"]
+            syncs = f"{row['syncs_per_token']:.3f}"
         result["arms"][arm] = row
-        print(f"{arm:<8} {seconds:10.2f} {tokens:7.0f} {row['tokens_per_s']:9.0f} "
-              f"{row['row_steps_per_token']:16.2f} {row['syncs_per_token']:12.3f}")
+        print(f"{arm:<14} {seconds:10.2f} {tokens:7.0f} {row['tokens_per_s']:9.0f} "
+              f"{row['row_steps_per_token']:16.2f} {syncs:>12} {first[arm]:8.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

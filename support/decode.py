@@ -132,6 +132,9 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
     noise_seed = torch.tensor(seed, device=device)  # a tensor: a compiled step takes any seed
     R, S = len(prompts), min(slots, len(prompts))
     length = max(map(len, prompts)) + max_new
+    if compiled:  # shapes that do not change with the call's rows: one compiled step serves all
+        S = slots
+        length = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
     config = hf_module(model).config
     cache = SlotCache(config, S, length)
     key = cache_kwarg(model)
@@ -198,6 +201,16 @@ def _step(model, cache, key: str, token: Tensor, pos: Tensor, row: Tensor, t: Te
 
 
 _COMPILED = {}
+LENGTH_BUCKET = 256
+"""A compiled step's cache length is a multiple of it: few shapes, so few compiles."""
+COMPILE_ANYWHERE = False
+"""Whether rollout.static_cache compiles the refill step on a CPU too (a benchmark's dry run sets
+it); by default it compiles on a GPU only, as transformers does its static decode step."""
+
+
+def compiles(device: torch.device) -> bool:
+    """Whether rollout.static_cache compiles the refill loop's step on `device`."""
+    return device.type == "cuda" or COMPILE_ANYWHERE
 
 
 def _compiled_step(device: torch.device):
