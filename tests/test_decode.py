@@ -141,8 +141,8 @@ def test_a_row_does_not_depend_on_its_slot_or_its_companions():
 def test_compiled_decode_step_samples_what_the_eager_one_does():
     """rollout.refill with rollout.static_cache compiles the slots' decode step (on a GPU: CUDA
     graphs); compiled here by inductor on the CPU: the same tokens as the eager step, log-probs
-    and entropies within 5e-5 (inductor's kernels round otherwise), and a second call with
-    another seed runs the compiled graphs again, not a new compile."""
+    and entropies within 5e-5 (inductor's kernels round otherwise), and calls with another seed,
+    fewer rows and shorter prompts run the compiled graphs again, not a new compile."""
     tok = build_tokenizer()
     model = qwen2(len(tok))
     prompts = [tok("1+" * (i + 1) + "=")["input_ids"] for i in range(4) for _ in range(2)]
@@ -153,11 +153,13 @@ def test_compiled_decode_step_samples_what_the_eager_one_does():
         out[compiled, seed] = decode.decode(model, prompts, sample, STOP, 10, 3, 2, seed,
                                             lambda: False, compiled)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    decode.decode(model, prompts[:2], sample, STOP, 10, 3, 2, 7, lambda: False, True)  # 2 rows,
+    graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # shorter prompts
     a, b = out[False, 5], out[True, 5]
     assert torch.equal(a[0], b[0])
     assert (a[1] - b[1]).abs().max() <= 5e-5 and (a[2] - b[2]).abs().max() <= 5e-5
     assert not torch.equal(out[True, 6][0], b[0])
-    assert graphs[0] < graphs[1] == graphs[2]  # compiled at the first call, not again
+    assert graphs[0] < graphs[1] == graphs[2] == graphs[3]  # compiled at the first call only
 
 
 def test_refill_stops_at_a_host_read_and_checks_finiteness():
