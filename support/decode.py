@@ -75,9 +75,10 @@ class SlotCache(transformers.DynamicCache):
     length, D) per layer, made at the first prompt written, so that a layer's attention gets the
     whole storage and a mask (S, 1, 1, length) hides what a slot has not written."""
 
-    def __init__(self, config, slots: int, length: int):
+    def __init__(self, config, slots: int, length: int, dtype: torch.dtype | None = None):
         super().__init__(config=config)
         self.slots, self.length = slots, length
+        self.dtype = dtype  # K and V stored in it (the autocast dtype), else as computed
         self.pos = None  # (S,) long: where each slot writes its next token's K and V
         self.storage = {}  # layer index -> (keys, values), (S, H, length, D) each
 
@@ -94,7 +95,8 @@ class SlotCache(transformers.DynamicCache):
             k, v = layer.keys, layer.values  # (1, H, P, D)
             if i not in self.storage:
                 shape = (self.slots, k.shape[1], self.length, k.shape[3])
-                self.storage[i] = (k.new_zeros(shape), v.new_zeros(shape))
+                keys = k.new_zeros(shape, dtype=self.dtype or k.dtype)
+                self.storage[i] = (keys, v.new_zeros(shape, dtype=self.dtype or v.dtype))
                 for x in self.storage[i]:  # a compiled step's CUDA graphs write into them
                     torch._dynamo.mark_static_address(x)
             keys, values = self.storage[i]
@@ -136,7 +138,10 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
         S = slots
         length = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
     config = hf_module(model).config
-    cache = SlotCache(config, S, length)
+    dtype = None  # under autocast K and V in its dtype, which attention casts them to anyway
+    if torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
+    cache = SlotCache(config, S, length, dtype)
     key = cache_kwarg(model)
     tokens = torch.full((R + 1, max_new), -1, dtype=torch.long, device=device)  # row R: a sink
     logp = torch.zeros(R + 1, max_new, device=device)

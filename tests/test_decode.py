@@ -162,6 +162,39 @@ def test_compiled_decode_step_samples_what_the_eager_one_does():
     assert graphs[0] < graphs[1] == graphs[2] == graphs[3]  # compiled at the first call only
 
 
+class _Float32Slots(decode.SlotCache):
+    """The slots' cache storing K and V as they come (float32 keys under autocast)."""
+
+    def __init__(self, config, slots: int, length: int, dtype=None):
+        super().__init__(config, slots, length)
+
+
+def test_refill_cache_holds_the_autocast_dtype(monkeypatch):
+    """Under bf16 autocast the slots' K and V are stored in bf16 (half the float32 keys RoPE
+    leaves), as the default path's cache does, and the tokens are the ones float32 storage gives
+    (attention casts K and V to bf16 anyway)."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))
+    prompts = [tok(f"{i}+{i * 7}=")["input_ids"] for i in range(3)]
+    seen = []
+
+    def keep_cache(module, args, kwargs):
+        seen.append(kwargs.get("cache", kwargs.get("past_key_values")))
+
+    model.register_forward_pre_hook(keep_cache, with_kwargs=True)
+    cfg = RolloutConfig(group_size=2, max_new_tokens=10, refill=True, gen_batch_size=4)
+    out = {}
+    for name in ("bf16", "float32"):
+        if name == "float32":
+            monkeypatch.setattr(decode, "SlotCache", _Float32Slots)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out[name], _ = generate(model, tok, prompts, cfg, [])
+        keys = seen[-1].storage[0][0]
+        assert keys.dtype == {"bf16": torch.bfloat16, "float32": torch.float32}[name]
+    assert torch.equal(out["bf16"].tokens, out["float32"].tokens)
+
+
 def test_refill_stops_at_a_host_read_and_checks_finiteness():
     """A stop request ends generation at the next host read (Interrupted); NaN weights raise the
     sampler's error at the end."""
