@@ -42,6 +42,8 @@ def cases() -> dict[str, tuple[list[str], list[str]]]:
             out[yaml.stem] = ([], ["--config", str(yaml)])
     tiny = ["--config", str(ROOT / "configs" / "tiny" / "aper.yaml")]
     out["vllm"] = ([], tiny + SMALL + ["--rollout.engine=vllm"])
+    refill = ["--rollout.refill=true", "--rollout.gen_batch_size=8", "--rollout.sync_every=3"]
+    out["refill"] = ([], tiny + SMALL + refill)
     out["ddp"] = (TORCHRUN, tiny + SMALL)
     out["fsdp"] = (TORCHRUN, tiny + SMALL + ["--model.parallel=fsdp"])
     lora = ["--config", str(ROOT / "configs" / "tiny" / "lora.yaml")]

@@ -143,36 +143,21 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
         dtype = torch.get_autocast_dtype(device.type)
     cache = SlotCache(config, S, length, dtype)
     key = cache_kwarg(model)
-    tokens = torch.full((R + 1, max_new), -1, dtype=torch.long, device=device)  # row R: a sink
-    logp = torch.zeros(R + 1, max_new, device=device)
-    entropy = torch.zeros(R + 1, max_new, device=device)
+    out = _Records(R, max_new, device)
     stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
     state = _Slots(S, R, device)  # what each slot holds, on the device
-    finite = torch.ones((), dtype=torch.bool, device=device)
-    pending = list(range(R))[::-1]  # rows not started, the next last
-    left = Counter(map(tuple, prompts))  # rows of each prompt not yet placed
-    prefills = {}  # prompt (as a tuple) -> (its batch-1 cache, its last logits (1, V))
+    queue = _Queue(prompts, lambda ids: _prefill(model, config, ids, device, key))
+    zero = torch.zeros(1, dtype=torch.long, device=device)
     while True:
         if should_stop():
             return None
         free = (~state.alive).nonzero().flatten().tolist()  # the host read
-        while free and pending:
-            s, r = free.pop(), pending.pop()
-            ids = tuple(prompts[r])
-            if ids not in prefills:
-                prefills[ids] = _prefill(model, config, ids, device, key)
-            prompt_cache, last = prefills[ids]
-            left[ids] -= 1
-            if not left[ids]:
-                del prefills[ids]  # its last row placed
+        while free and queue.pending:
+            s = free.pop()
+            r, ids, prompt_cache, last = queue.take()
             cache.write_prompt(prompt_cache, s)
             rows = torch.tensor([r], device=device)
-            zero = torch.zeros(1, dtype=torch.long, device=device)
-            first, lp, ent, ok = _sampled(last, sample, noise_seed, rows, zero)
-            tokens[r, 0] = first[0]
-            logp[r, 0] = lp[0]
-            entropy[r, 0] = ent[0]
-            finite &= ok
+            first = out.put(rows, zero, *_sampled(last, sample, noise_seed, rows, zero))
             if bool(torch.isin(first, stop_ids).any()) or max_new == 1:
                 free.append(s)  # ended at its first token: the slot takes the next row
                 continue
@@ -181,17 +166,58 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
             break
         for _ in range(sync_every):
             cache.pos = state.pos
-            nxt, lp, ent, ok = step(model, cache, key, state.token, state.pos, state.row, state.t,
-                                    sample, noise_seed)
-            at = (state.row, state.t.clamp(max=max_new - 1))
-            tokens.index_put_(at, nxt)
-            logp.index_put_(at, lp)
-            entropy.index_put_(at, ent)
-            finite &= ok
+            drawn = step(model, cache, key, state.token, state.pos, state.row, state.t, sample,
+                         noise_seed)
+            nxt = out.put(state.row, state.t, *drawn)
             state.advance(nxt, torch.isin(nxt, stop_ids) | (state.t + 1 >= max_new), R, length)
-    if not bool(finite):
+    if not bool(out.finite):
         raise FloatingPointError("the policy's logits are not finite (NaN or inf weights)")
-    return tokens[:R], logp[:R], entropy[:R]
+    return out.tokens[:R], out.logp[:R], out.entropy[:R]
+
+
+class _Records:
+    """Per row (R rows and a sink, row R, for empty slots), its tokens (−1 past its end), their
+    behaviour log-probs and the distributions' entropies (R + 1, max_new) each, on the device; and
+    whether every logit so far was finite."""
+
+    def __init__(self, R: int, max_new: int, device):
+        self.tokens = torch.full((R + 1, max_new), -1, dtype=torch.long, device=device)
+        self.logp = torch.zeros(R + 1, max_new, device=device)
+        self.entropy = torch.zeros(R + 1, max_new, device=device)
+        self.finite = torch.ones((), dtype=torch.bool, device=device)
+
+    def put(self, rows: Tensor, t: Tensor, nxt: Tensor, lp: Tensor, ent: Tensor,
+            finite: Tensor) -> Tensor:
+        """Record each slot's draw at (row, t) (t past the end: the last column); returns `nxt`."""
+        at = (rows, t.clamp(max=self.tokens.shape[1] - 1))
+        self.tokens.index_put_(at, nxt)
+        self.logp.index_put_(at, lp)
+        self.entropy.index_put_(at, ent)
+        self.finite &= finite
+        return nxt
+
+
+class _Queue:
+    """The rows not yet started, in order, each with its prompt's pass (`prefill(ids)`, run once
+    per distinct prompt and dropped once its last row is placed)."""
+
+    def __init__(self, prompts: list[list[int]], prefill):
+        self.prompts, self.prefill = prompts, prefill
+        self.pending = list(range(len(prompts)))[::-1]  # the next last
+        self.left = Counter(map(tuple, prompts))  # rows of each prompt not yet placed
+        self.passes = {}  # prompt (as a tuple) -> (its batch-1 cache, its last logits (1, V))
+
+    def take(self) -> tuple:
+        """(row, prompt ids, the prompt's cache, its last logits) of the next row."""
+        r = self.pending.pop()
+        ids = tuple(self.prompts[r])
+        if ids not in self.passes:
+            self.passes[ids] = self.prefill(ids)
+        prompt_cache, last = self.passes[ids]
+        self.left[ids] -= 1
+        if not self.left[ids]:
+            del self.passes[ids]  # its last row placed
+        return r, ids, prompt_cache, last
 
 
 def _step(model, cache, key: str, token: Tensor, pos: Tensor, row: Tensor, t: Tensor, sample,
