@@ -166,6 +166,8 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
             break
         for _ in range(sync_every):
             cache.pos = state.pos
+            if compiled:  # a new replay of the CUDA graphs, whose outputs the next overwrites
+                torch.compiler.cudagraph_mark_step_begin()
             drawn = step(model, cache, key, state.token, state.pos, state.row, state.t, sample,
                          noise_seed)
             nxt = out.put(state.row, state.t, *drawn)
@@ -194,7 +196,7 @@ class _Records:
         self.logp.index_put_(at, lp)
         self.entropy.index_put_(at, ent)
         self.finite &= finite
-        return nxt
+        return nxt.clone()  # (a compiled step's next replay overwrites its outputs)
 
 
 class _Queue:

@@ -138,11 +138,12 @@ def test_a_row_does_not_depend_on_its_slot_or_its_companions():
         assert (a.behav_logp - other.behav_logp).abs().max() <= 5e-5
 
 
-def test_compiled_decode_step_samples_what_the_eager_one_does():
+def test_compiled_decode_step_samples_what_the_eager_one_does(monkeypatch):
     """rollout.refill with rollout.static_cache compiles the slots' decode step (on a GPU: CUDA
     graphs); compiled here by inductor on the CPU: the same tokens as the eager step, log-probs
     and entropies within 5e-5 (inductor's kernels round otherwise), and calls with another seed,
-    fewer rows and shorter prompts run the compiled graphs again, not a new compile."""
+    fewer rows and shorter prompts run the compiled graphs again, not a new compile; through
+    rollout.generate (a new sampling function each call) the same."""
     tok = build_tokenizer()
     model = qwen2(len(tok))
     prompts = [tok("1+" * (i + 1) + "=")["input_ids"] for i in range(4) for _ in range(2)]
@@ -160,6 +161,15 @@ def test_compiled_decode_step_samples_what_the_eager_one_does():
     assert (a[1] - b[1]).abs().max() <= 5e-5 and (a[2] - b[2]).abs().max() <= 5e-5
     assert not torch.equal(out[True, 6][0], b[0])
     assert graphs[0] < graphs[1] == graphs[2] == graphs[3]  # compiled at the first call only
+    monkeypatch.setattr(decode, "COMPILE_ANYWHERE", True)  # through rollout.generate, as a GPU
+    cfg = RolloutConfig(group_size=2, max_new_tokens=10, top_p=0.9, refill=True,
+                        static_cache=True, gen_batch_size=3, sync_every=2)
+    for seed in (0, 1):  # a new sampling function each call: the graphs serve again
+        torch.manual_seed(seed)
+        ro, _ = generate(model, tok, [tok("1+1=")["input_ids"], tok("2+2=")["input_ids"]], cfg,
+                         STOP)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[-2] and int(ro.completion_len.min()) >= 1
 
 
 class _Float32Slots(decode.SlotCache):
