@@ -596,7 +596,8 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     proven before a GPU's minutes are spent: its JSON has each step passed, with the figures the
     GPU run reports (the tiny run's gain, the resume's identical weights, the update's tokens/s
     cold and warm with its MFU, decode tokens/s before and after and compiled, a whole rollout
-    on the default and the static, packed path, the chunked head's difference)."""
+    on the default and the static, packed path, the refill loop compiled beside HF's static
+    rollout, the chunked head's difference)."""
     cmd = [sys.executable, "bench/gpu_run.py", "--dry-run", "--out", str(tmp_path / "out"),
            "--work", str(tmp_path / "work")]
     r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900,
@@ -604,7 +605,9 @@ def test_gpu_run_dry_run_passes_every_step_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "out" / "gpu_run.json").read_text())
     steps = report["steps"]
     assert r.returncode == 0, r.stdout[-3000:]
-    assert [steps[n]["status"] for n in steps] == ["passed"] * 8
+    assert [steps[n]["status"] for n in steps] == ["passed"] * 9
+    refill = steps["refill"]["arms"]  # HF's compiled static rollout and the compiled refill loop
+    assert set(refill) == {"static", "refill_static"} and refill["refill_static"]["tokens"] > 0
     assert steps["full"]["generation"]["cache"] != "StaticCache"  # the default path
     assert steps["rollout"]["generation"]["cache"] == "StaticCache"  # --fast-decode reached it
     assert steps["resume"]["default"]["identical"] and "gain" in steps["tiny"]
