@@ -176,6 +176,13 @@ def summarize(runs: list[dict]) -> dict:
             "acc_final": statistics.mean(r["acc_final"] for r in runs)}
 
 
+def side_line(name: str, what: str, s: dict, s_trl: dict) -> str:
+    """A third side's summary `s` (`before`, `variant`): step time, tokens/s, ratio to TRL."""
+    return (f"{name} ({what}): median step {s['median_step']:.2f} s, "
+            f"{s['tokens_per_s']:.0f} generated tokens/s, {name}/TRL "
+            f"{s['median_step'] / s_trl['median_step']:.2f}")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--trl-worker"]:
         rest, config = sys.argv[3:], "configs/tiny.yaml"
@@ -232,16 +239,12 @@ def main() -> None:
               f"{s_ours[key] / s_trl[key]:10.2f}")
     if a.before:
         s_before = summarize(results["before"])
-        print(f"before ({a.before}): median step {s_before['median_step']:.2f} s, "
-              f"{s_before['tokens_per_s']:.0f} generated tokens/s, before/TRL "
-              f"{s_before['median_step'] / s_trl['median_step']:.2f}, after/before "
-              f"{s_ours['median_step'] / s_before['median_step']:.2f}")
+        after = s_ours["median_step"] / s_before["median_step"]
+        print(side_line("before", a.before, s_before, s_trl) + f", after/before {after:.2f}")
     if a.variant:
         s_variant = summarize(results["variant"])
-        print(f"variant ({a.variant}): median step {s_variant['median_step']:.2f} s, "
-              f"{s_variant['tokens_per_s']:.0f} generated tokens/s, variant/TRL "
-              f"{s_variant['median_step'] / s_trl['median_step']:.2f}, variant/train.py "
-              f"{s_variant['median_step'] / s_ours['median_step']:.2f}")
+        ratio = s_variant["median_step"] / s_ours["median_step"]
+        print(side_line("variant", a.variant, s_variant, s_trl) + f", variant/train.py {ratio:.2f}")
     print(f"{'peak resident memory (MB)':28s}{s_ours['rss_mb']:12d}{s_trl['rss_mb']:12d}"
           f"{s_ours['rss_mb'] / s_trl['rss_mb']:10.2f}")
     print(f"{'eval accuracy after':28s}{s_ours['acc_final']:12.3f}{s_trl['acc_final']:12.3f}"
