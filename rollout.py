@@ -131,6 +131,16 @@ def entropy_of(logp: torch.Tensor) -> torch.Tensor:
     return torch.special.entr(logp.exp()).sum(-1)
 
 
+def sampling_distribution(scores: torch.Tensor, cfg: RolloutConfig) -> tuple:
+    """What both HF samplers record of the model's scores (B, V): the sampling logits z (B, V),
+    their log-softmax (B, V), its entropy (B,), and which rows' scores were all finite (B, 1) (a
+    row that is not samples uniformly; its sampler raises once it has read the flag)."""
+    finite = torch.isfinite(scores).all(-1, keepdim=True)  # (B, 1), no device→host sync
+    z = sampling_logits(torch.where(finite, scores, 0.0), cfg)  # (B, V)
+    logp = torch.log_softmax(z, dim=-1)
+    return z, logp, entropy_of(logp), finite
+
+
 class _SamplingDistribution(LogitsProcessor):
     """Turns logits into the sampling distribution (÷ temperature, cut to top-k and to the top-p
     nucleus) and records the log-probability of each sampled token under it (the behaviour log-prob)
@@ -146,14 +156,11 @@ class _SamplingDistribution(LogitsProcessor):
         self.finite = None  # () bool on the device, every logit so far finite: read in `finish`
 
     def __call__(self, input_ids, scores):
-        finite = torch.isfinite(scores).all(-1, keepdim=True)  # (B, 1), no device→host sync
-        self.finite = finite.all() if self.finite is None else self.finite & finite.all()
-        scores = torch.where(finite, scores, 0.0)  # a bad row samples uniformly until `finish`
         if self.prev is not None:
             self.logps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        z = sampling_logits(scores, self.cfg)  # (B, V)
-        self.prev = torch.log_softmax(z, dim=-1)
-        self.entropies.append(entropy_of(self.prev))
+        z, self.prev, entropy, finite = sampling_distribution(scores, self.cfg)  # until `finish`
+        self.finite = finite.all() if self.finite is None else self.finite & finite.all()
+        self.entropies.append(entropy)
         return z
 
     def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T) each
@@ -220,7 +227,7 @@ def _sample_slots(model, prompts: list[list[int]], cfg: RolloutConfig,
     its draws taken from torch's global RNG (so a resumed run draws the same)."""
     seed = int(torch.randint(2**62, (1,)))
     compiled = cfg.static_cache and decode.compiles(next(model.parameters()).device)
-    out = decode.decode(model, prompts, lambda z: sampling_logits(z, cfg), stop,
+    out = decode.decode(model, prompts, lambda z: sampling_distribution(z, cfg), stop,
                         cfg.max_new_tokens, cfg.gen_batch_size, cfg.sync_every, seed, should_stop,
                         compiled)
     if out is None:  # cut short: the rows are incomplete

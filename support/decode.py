@@ -3,7 +3,7 @@ its own length in one fixed-size KV cache, and a row that ends frees its slot fo
 (continuous batching inside one rollout), so a step's work follows the live rows, not the longest
 row times the batch. The host reads the device only every `sync_every` steps (to refill slots, to
 stop); between reads a finished slot idles. Everything else is what `rollout._sample` does: the
-model's own forward (the chunked float32 head), `rollout.sampling_logits`' distribution, the
+model's own forward (the chunked float32 head), `rollout.sampling_distribution`, the
 behaviour log-prob and entropy of every sampled token, a completion ended by its first end token.
 
 Sampling is Gumbel-max: token = argmax(z + g), g = −log(−log u), u a hash of (the call's seed, the
@@ -124,8 +124,9 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
     """Completions of each prompt in `prompts` (a row per entry), `slots` at a time: tokens,
     behaviour log-probs and entropies (R, max_new) each, on the model's device; a row's entries
     after its first end token are padding (token −1, 0). `sample(logits (S, V))` gives the
-    sampling logits z (S, V) (rollout.sampling_logits). `should_stop()` is asked at every host
-    read: True ends the call with None."""
+    sampling logits z, their log-softmax, its entropy and which rows were finite
+    (rollout.sampling_distribution). `should_stop()` is asked at every host read: True ends the
+    call with None."""
     check_model(model)
     device = next(model.parameters()).device
     step = _step
@@ -257,11 +258,8 @@ def _compiled_step(device: torch.device):
 def _sampled(logits: Tensor, sample, seed, rows: Tensor, t: Tensor) -> tuple:
     """Each slot's next token drawn from `logits` (S, V) (Gumbel-max), its log-prob, the
     distribution's entropy (S,) each, and whether every logit was finite."""
-    finite = torch.isfinite(logits).all(-1, keepdim=True)  # (S, 1)
-    z = sample(torch.where(finite, logits, 0.0))  # (S, V): a bad row samples uniformly
-    lp = torch.log_softmax(z, dim=-1)  # (S, V)
+    z, lp, ent, finite = sample(logits)  # (S, V), (S, V), (S,), (S, 1)
     nxt = (z + gumbel(seed, rows, t, z.shape[1])).argmax(-1)  # (S,)
-    ent = torch.special.entr(lp.exp()).sum(-1)
     return nxt, lp.gather(1, nxt[:, None]).squeeze(1), ent, finite.all()
 
 

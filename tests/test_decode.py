@@ -105,7 +105,7 @@ def test_refill_samples_what_hf_generate_does_given_the_same_draws(sampling):
     rows = [p for p in prompts for _ in range(3)]
     cfg = RolloutConfig(max_new_tokens=12, **sampling)
     tokens, logp, entropy = hf_with_draws(model, tok, rows, cfg, seed=99)
-    own = decode.decode(model, rows, lambda z: rollout.sampling_logits(z, cfg), STOP,
+    own = decode.decode(model, rows, lambda z: rollout.sampling_distribution(z, cfg), STOP,
                         cfg.max_new_tokens, 4, 3, 99, lambda: False)
     T = tokens.shape[1]
     assert 1 < T and (tokens == -1).any()  # some rows ended early
@@ -148,7 +148,7 @@ def test_compiled_decode_step_samples_what_the_eager_one_does(monkeypatch):
     model = qwen2(len(tok))
     prompts = [tok("1+" * (i + 1) + "=")["input_ids"] for i in range(4) for _ in range(2)]
     cfg = RolloutConfig(max_new_tokens=10, top_p=0.9)
-    sample = functools.partial(rollout.sampling_logits, cfg=cfg)
+    sample = functools.partial(rollout.sampling_distribution, cfg=cfg)
     out, graphs = {}, []
     for compiled, seed in ((False, 5), (True, 5), (True, 6)):
         out[compiled, seed] = decode.decode(model, prompts, sample, STOP, 10, 3, 2, seed,
