@@ -65,9 +65,14 @@ def gumbel(seed: Tensor | int, rows: Tensor, t: Tensor, vocab: int) -> Tensor:
     key = _mix64(_mix64(rows * _GOLDEN + seed) + t * _GOLDEN)  # (S,)
     key = ((key ^ _shift(key, 32)) & 0x7FFFFFFF).to(torch.int32)  # (S,): 31 bits
     entry = torch.arange(vocab, dtype=torch.int32, device=rows.device) * _GOLDEN32  # (V,)
-    bits = _shift(_mix32(key[:, None] + entry[None]), 8)  # (S, V): 24 random bits
-    u = (bits.float() + 0.5) * 2.0**-24  # (S, V) in (0, 1)
-    return -torch.log(-torch.log(u))
+    bits = _shift(_mix32(key[:, None] + entry[None]), 9)  # (S, V): 23 random bits
+    # u = (bits + 1/2) / 2^23 lies in [2^-24, 1 - 2^-24], every value exact in float32 (with 24
+    # bits, bits = 2^24 - 1 rounded u up to 1.0: noise +inf, about once per row-step at a real
+    # vocabulary). −log u is computed as −log1p(−(1 − u)), exact near u = 1, and kept above 2^-26
+    # so that an approximate GPU log cannot make it 0 (noise +inf) either.
+    one_minus_u = (bits.float() + 0.5) * 2.0**-23  # (S, V): as u, in [2^-24, 1 - 2^-24]
+    e = (-torch.log1p(-one_minus_u)).clamp(min=2.0**-26)  # (S, V): −log u, an Exp(1) draw
+    return -torch.log(e)
 
 
 class SlotCache(transformers.DynamicCache):
@@ -125,7 +130,7 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
     behaviour log-probs and entropies (R, max_new) each, on the model's device; a row's entries
     after its first end token are padding (token −1, 0). `sample(logits (S, V))` gives the
     sampling logits z, their log-softmax, its entropy and which rows were finite
-    (rollout.sampling_distribution). `should_stop()` is asked at every host read: True ends the
+    (rollout.sampling_distribution). `should_stop()` is asked before every step: True ends the
     call with None."""
     check_model(model)
     device = next(model.parameters()).device
@@ -165,7 +170,12 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
             state.start(s, r, int(first), len(ids))
         if not bool(state.alive.any()):
             break
-        for _ in range(sync_every):
+        # Steps until the next host read: sync_every, but no more than the live row furthest
+        # from max_new needs (every row has ended by then), and a stop ends the run of steps
+        # (should_stop is a flag on the host, cheap to read at every step).
+        for _ in range(min(sync_every, max_new - int(state.t[state.alive].min()))):
+            if should_stop():
+                return None
             cache.pos = state.pos
             if compiled:  # a new replay of the CUDA graphs, whose outputs the next overwrites
                 torch.compiler.cudagraph_mark_step_begin()

@@ -20,6 +20,7 @@ from support import decode
 from support.logprobs import kv_cache, use_chunked_head
 from support.preempt import Interrupted
 from support.util import RunError
+from safetensors.torch import load_file
 from test_checkpoint import (assert_same_run, kill_after_step_then_resume, metrics, needs_model,
                              run_train)
 from test_logprobs import qwen2
@@ -57,6 +58,60 @@ def test_gumbel_max_samples_the_softmax():
     p = z.softmax(-1)[0].double()
     assert counts[4] == 0  # a cut token is never drawn
     assert ((counts - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-12).all(), (counts, p)
+
+
+QWEN_VOCAB = 151_936  # Qwen2.5's output layer
+
+
+def test_gumbel_noise_is_finite_at_a_real_vocabulary():
+    """10^8 noise entries at Qwen's vocabulary (660 rows of 151,936) are all finite and below
+    −log(−log(1 − 2^-24)) ≈ 16.64: no u rounds to 1 (with 24 bits one entry in 2^24 did: +inf
+    noise about once per row-step at this vocabulary)."""
+    top = 0.0
+    for chunk in range(6):
+        rows = torch.arange(chunk * 110, (chunk + 1) * 110)
+        g = decode.gumbel(2024 + chunk, rows, rows % 7, QWEN_VOCAB)  # (110, V)
+        assert torch.isfinite(g).all(), f"chunk {chunk}: {(~torch.isfinite(g)).sum()} not finite"
+        top = max(top, float(g.max()))
+    assert 16 < top <= -math.log(-math.log1p(-(2.0**-24))) + 1e-4
+
+
+def test_refill_draws_stay_in_the_top_k_and_top_p_support_at_a_real_vocabulary():
+    """2,000 draws at Qwen's vocabulary from logits cut to the top 20 (and to a 0.9 nucleus of the
+    top 50): every token lies in the support, i.e. has a finite behaviour log-prob (noise +inf on
+    a cut entry gave −inf + inf = NaN, and a token outside it about once in a hundred draws)."""
+    gen = torch.Generator().manual_seed(0)
+    for sampling in ({"top_k": 20}, {"top_p": 0.9, "top_k": 50}):
+        sample = functools.partial(rollout.sampling_distribution, cfg=RolloutConfig(**sampling))
+        for chunk in range(2):
+            scores = 3 * torch.randn(500, QWEN_VOCAB, generator=gen)
+            rows = torch.arange(chunk * 500, (chunk + 1) * 500)
+            nxt, lp, _, finite = decode._sampled(scores, sample, 5, rows, torch.zeros_like(rows))
+            assert bool(finite) and torch.isfinite(lp).all(), (sampling, (~lp.isfinite()).sum())
+
+
+def test_gumbel_max_frequencies_match_the_distribution_at_a_real_vocabulary():
+    """Chi-square over 2,400 draws at Qwen's vocabulary: 8 likely entries and the other 151,928
+    as one bin of mass 2.5 × 10^-3, each draw a row of its own. The statistic (8 degrees of
+    freedom) stays below 26.1 (p = 0.001); a uniformly random draw once per row-step in a hundred
+    (u rounded to 1) puts about 28 draws in the last bin where 6 are expected."""
+    z = torch.full((QWEN_VOCAB,), -math.inf)
+    likely = torch.tensor([3, 900, 151_935, 77_000, 5, 12_345, 100_000, 42])
+    z[likely] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.3])
+    rest = torch.ones(QWEN_VOCAB, dtype=torch.bool)
+    rest[likely] = False
+    z[rest] = math.log(2.5e-3 / QWEN_VOCAB)  # the rest, spread evenly: about 2.5e-3 in all
+    p = z.softmax(-1).double()
+    expected = torch.cat([p[likely], p[rest].sum()[None]])  # (9,)
+    n, counts = 2400, torch.zeros(9, dtype=torch.float64)
+    bin_of = torch.full((QWEN_VOCAB,), 8)
+    bin_of[likely] = torch.arange(8)
+    for start in range(0, n, 400):
+        rows = torch.arange(start, start + 400)
+        drawn = (z + decode.gumbel(31, rows, torch.zeros_like(rows), QWEN_VOCAB)).argmax(-1)
+        counts += torch.bincount(bin_of[drawn], minlength=9).double()
+    chi2 = float(((counts - n * expected) ** 2 / (n * expected)).sum())
+    assert chi2 < 26.1, (chi2, counts.tolist(), (n * expected).tolist())
 
 
 class _SameDraws(LogitsProcessor):
@@ -205,15 +260,16 @@ def test_refill_cache_holds_the_autocast_dtype(monkeypatch):
     assert torch.equal(out["bf16"].tokens, out["float32"].tokens)
 
 
-def test_refill_stops_at_a_host_read_and_checks_finiteness():
-    """A stop request ends generation at the next host read (Interrupted); NaN weights raise the
-    sampler's error at the end."""
+def test_refill_stops_within_a_step_and_checks_finiteness():
+    """A stop request ends generation before the next decode step (Interrupted), not at the next
+    host read; NaN weights raise the sampler's error at the end."""
     tok = build_tokenizer()
     model = qwen2(len(tok))
     prompts = [tok("1+1=")["input_ids"]]
     cfg = RolloutConfig(group_size=4, max_new_tokens=30, refill=True, gen_batch_size=2,
-                        sync_every=2)
-    reads = []
+                        sync_every=25)
+    reads, passes = [], []
+    hook = model.register_forward_pre_hook(lambda module, args: passes.append(1))
 
     def second_read():
         reads.append(1)
@@ -226,7 +282,9 @@ def test_refill_stops_at_a_host_read_and_checks_finiteness():
             generate(model, tok, prompts, cfg, [])
     finally:
         rollout.should_stop = rollout_stop
-    assert len(reads) == 2  # read 1 passes, read 2 (after sync_every steps) stops
+    assert len(reads) == 2  # asked before every step: the first passes, the second stops
+    assert len(passes) == 1  # the prompt's pass, no decode step (before: 25 steps to the read)
+    hook.remove()
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="not finite"):
@@ -250,6 +308,27 @@ def test_refill_rules():
         decode.check_model(model)
 
 
+def test_refill_steps_between_host_reads_stop_where_the_rows_can_end():
+    """sync_every = 10^6 with 12 new tokens at most: the rollout takes at most 12 decode steps
+    after its host read (not 10^6: the model's forward is counted, and refused past 100)."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))
+    calls = []
+
+    def count(module, args):
+        calls.append(1)
+        assert len(calls) <= 100, "decode steps past what any row can need"
+
+    model.register_forward_pre_hook(count)
+    prompts = [tok("1+1=")["input_ids"]] * 4
+    cfg = RolloutConfig(group_size=1, max_new_tokens=12, refill=True, gen_batch_size=4,
+                        sync_every=10**6)
+    torch.manual_seed(0)
+    ro, _ = generate(model, tok, prompts, cfg, STOP)
+    assert len(calls) <= 1 + 11  # one prompt pass, then at most max_new − 1 decode steps
+    assert int(ro.completion_len.max()) <= 12
+
+
 REFILL = ("--rollout.refill=true", "--rollout.gen_batch_size=6", "--rollout.sync_every=3")
 
 
@@ -266,3 +345,19 @@ def test_refill_trains_through_train_py_and_resumes_bit_for_bit(tmp_path):
     assert all(row["rollout/logp_gap_max"] < 1e-4 for row in rows)
     kill_after_step_then_resume(tmp_path / "killed", REFILL)
     assert_same_run(ref, tmp_path / "killed")
+
+
+@needs_model
+def test_refill_with_a_huge_sync_every_ends_and_trains_as_with_a_small_one(tmp_path):
+    """rollout.sync_every = 10^6 (allowed) with short completions: a rollout ends once its rows
+    have (the steps between host reads stop at what the live rows can still need), and the run
+    logs the same metrics and weights as sync_every = 3 (draws keyed by row, not by when the host
+    reads). Before, the loop ran 10^6 steps after its rows had ended."""
+    a, b = tmp_path / "every3", tmp_path / "every1e6"
+    for out, every in ((a, 3), (b, 10**6)):
+        args = [*REFILL[:-1], f"--rollout.sync_every={every}"]
+        r = run_train(out, *args, "--eval.every=0", steps=2)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert metrics(a) == metrics(b)
+    wa, wb = (load_file(d / "final" / "model.safetensors") for d in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
