@@ -133,6 +133,8 @@ class EvalConfig:
     """Eval nucleus sampling."""
     max_new_tokens: int = 0
     """Eval generation cap (0 = rollout.max_new_tokens)."""
+    greedy: bool = True
+    """Also the greedy accuracy (eval/greedy: one more decode, the most likely completion)."""
 
     def check(self) -> dict[str, tuple[bool, str]]:
         return {"every": (self.every >= 0, "≥ 0"),

@@ -123,7 +123,15 @@ def run_eval(r) -> dict:
         golds = parallel.share(r.eval_golds)
         records = evaluate(r.sampler, prompts, golds, sampling, r.cfg.reward, desc, leave=False,
                            key=("eval", r.cfg.seed, r.rank))
-    return summarize(parallel.gather(records))
+        greedy = []
+        if e.greedy:  # one more decode: each problem's most likely completion (no draws)
+            argmax = replace(sampling, group_size=1, temperature=0.0, top_p=1.0, refill=False)
+            greedy = evaluate(r.sampler, prompts, golds, argmax, r.cfg.reward, None,
+                              key=("eval_greedy", r.cfg.seed, r.rank))
+    summary = summarize(parallel.gather(records))
+    if e.greedy:
+        summary["greedy"] = statistics.fmean(rec["correct"][0] for rec in parallel.gather(greedy))
+    return summary
 
 
 def summarize(records: list[dict]) -> dict[str, float]:

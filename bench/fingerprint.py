@@ -28,9 +28,9 @@ SHORT = ["--max_steps=3", "--eval.n=16", "--eval.every=2", "--checkpoint.every=0
          "--wandb.mode=disabled"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 VARY = ("time/", "wall", "reward/verify_seconds", "reward/worker_frac")  # clocks, not maths
-# Counters added after the fingerprints were pinned (#47: the update's token passes); they change
-# no number the run computes, and tests/test_lookahead.py checks their values.
-ADDED = ("tokens/fwd_bwd", "tokens/no_grad")
+# Counters added after the fingerprints were pinned (#47: the update's token passes; #60: the greedy
+# eval, outside the run's RNG); they change no number the run computes, and tests check them.
+ADDED = ("tokens/fwd_bwd", "tokens/no_grad", "eval/greedy")
 SMALL = ["--rollout.batch_size=32", "--rollout.group_size=4"]
 
 

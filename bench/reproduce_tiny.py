@@ -12,12 +12,13 @@ replay.STRATEGIES, plus dynamic.yaml, DAPO's dynamic sampling). The arms share t
 per step and their steps, so the same generation budget; dynamic sampling's extra rounds and RLEP's
 phase I are generated tokens too and are counted in `tokens/generated_total`.
 
-Order: the `none` runs go first; RLEP's phase I then samples 8 answers per training problem from the
-final model of `none` (first seed) and keeps the verified-correct ones with their token ids and
+Order: `none`'s first seed goes first; RLEP's phase I then samples 8 answers per training problem
+from its final model and keeps the verified-correct ones with their token ids and
 behaviour log-probs (as RLEP collects them from a finished run; eval.py --save-correct, whose
-.meta.json gives the tokens phase I generated); then the other arms. A run already finished
-(summary.json present) is kept, so an interrupted reproduction can simply be started again; an
-unfinished one resumes from its newest checkpoint (--resume: bit-identical to an uninterrupted run),
+.meta.json gives the tokens phase I generated); then every arm seed by seed (seed 0 of each arm,
+then seed 1, ...), so a reproduction stopped part-way has as many seeds of every arm. A run
+already finished (summary.json present) is kept, so an interrupted reproduction can simply be
+started again; an unfinished one resumes from its newest checkpoint (--resume: bit-identical to an uninterrupted run),
 or is started over (--overwrite) if it saved none.
 """
 
@@ -110,16 +111,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:
-        list(pool.map(lambda s: train(configs, "none", s, out, extra), a.seeds))
-        rlep = [(f"--replay.rlep_source="
-                 f"{rlep_phase_one(out, a.seeds[0], configs / 'rlep.yaml', extra)}")] \
-            if "rlep" in names else []
-        jobs = [(n, s) for n in names if n != "none" for s in a.seeds]
+        train(configs, "none", a.seeds[0], out, extra)  # RLEP's phase I samples its final model
+        rlep = []
+        if "rlep" in names:
+            phase1 = rlep_phase_one(out, a.seeds[0], configs / "rlep.yaml", extra)
+            rlep = [f"--replay.rlep_source={phase1}"]
+        # seed by seed, every arm: a reproduction stopped part-way has a few seeds of every arm
+        jobs = [(n, s) for s in a.seeds for n in names if (n, s) != ("none", a.seeds[0])]
         list(pool.map(lambda j: train(configs, j[0], j[1], out,
                                       extra + (rlep if j[0] == "rlep" else [])),
                       jobs))
     print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
-    runs = [str(out / f"{n}-s{s}") for n in names for s in a.seeds]
+    runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest"]
     subprocess.run([*compare, "--out-dir", str(out / "compare")], cwd=REPO, check=True)
     try:
