@@ -109,25 +109,28 @@ def record(ro, texts: list[str], rows: range, correct, gold, reward_cfg, keep: b
     return rec
 
 
-def run_eval(r) -> dict:
-    """train.py's periodic held-out eval (r is train.Run), each rank's share from its own fixed
-    seed (how often we evaluate never changes training randomness); every rank gets the summary of
-    all. A stop abandons it (Interrupted)."""
-    e = r.cfg.eval
-    sampling = replace(r.cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p,
-                       top_k=0, max_new_tokens=e.max_new_tokens or r.cfg.rollout.max_new_tokens)
-    desc = f"eval {r.progress['step']}" if r.rank == 0 else None  # a bar: a real eval takes minutes
-    with parallel.fork_rng(r.device), generating(r.model, r.compute):
-        torch.manual_seed(r.cfg.seed + r.rank)
-        prompts = parallel.share(r.eval_prompts)
-        golds = parallel.share(r.eval_golds)
-        records = evaluate(r.sampler, prompts, golds, sampling, r.cfg.reward, desc, leave=False,
-                           key=("eval", r.cfg.seed, r.rank))
+def run_eval(sampler, model, compute, device, prompts: list, golds: list, cfg, step: int,
+             rank: int) -> dict:
+    """train.py's periodic held-out eval of `model` (its `sampler`, under `compute`) on this
+    rank's share of `prompts` (token ids) and `golds`, with the run's config `cfg` (eval.*,
+    rollout.*, reward.*, seed): each rank's share from its own fixed seed (how often we evaluate
+    never changes training randomness); every rank gets the summary of all. A stop abandons it
+    (Interrupted)."""
+    e = cfg.eval
+    sampling = replace(cfg.rollout, group_size=e.k, temperature=e.temperature, top_p=e.top_p,
+                       top_k=0, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens)
+    desc = f"eval {step}" if rank == 0 else None  # a bar: a real eval takes minutes
+    with parallel.fork_rng(device), generating(model, compute):
+        torch.manual_seed(cfg.seed + rank)
+        prompts = parallel.share(prompts)
+        golds = parallel.share(golds)
+        records = evaluate(sampler, prompts, golds, sampling, cfg.reward, desc, leave=False,
+                           key=("eval", cfg.seed, rank))
         greedy = []
         if e.greedy:  # one more decode: each problem's most likely completion (no draws)
             argmax = replace(sampling, group_size=1, temperature=0.0, top_p=1.0, refill=False)
-            greedy = evaluate(r.sampler, prompts, golds, argmax, r.cfg.reward, None,
-                              key=("eval_greedy", r.cfg.seed, r.rank))
+            greedy = evaluate(sampler, prompts, golds, argmax, cfg.reward, None,
+                              key=("eval_greedy", cfg.seed, rank))
     summary = summarize(parallel.gather(records))
     if e.greedy:
         summary["greedy"] = statistics.fmean(rec["correct"][0] for rec in parallel.gather(greedy))

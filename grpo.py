@@ -65,14 +65,12 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
-from methods.gate import Gate
-from methods.lookahead import Plain
 from batch import Row, pack
 from support import parallel
 from support.logprobs import completion_logprobs
@@ -378,7 +376,7 @@ def minibatch_plan(n: int, o, passes: int) -> list[tuple[int, Tensor]]:
     """(pass, rows) of every optimizer step of an update over n rows: `passes` passes, each a
     shuffle split into o.minibatches. The shuffles (torch's global RNG, saved in checkpoints) are
     all drawn first, so the RNG stream after the update does not depend on where a gate stopped
-    it; with one mini-batch nothing is drawn, as before optim.epochs existed."""
+    it; with one mini-batch nothing is drawn."""
     plan = []
     for epoch in range(passes):
         order = torch.randperm(n) if o.minibatches > 1 else torch.arange(n)
@@ -400,51 +398,46 @@ def get_lr(step: int, cfg) -> float:
     return o.lr
 
 
-def update_policy(s: UpdateSettings, model, policy, optimizer, batch, device, compute=None,
-                  ref=None, lookahead=None) -> tuple:
-    """The passes over this rank's `batch` that `lookahead` asks for (methods/lookahead.py: by
-    default optim.epochs), each of optim.minibatches optimizer steps (`minibatch_plan`,
-    `micro_batches`, `Gate`). `model` is the HF module, `policy` what the training forward goes
-    through (compiled, DDP). Returns (metrics averaged over the steps, each row's mean token
-    entropy (NaN if not trained on), why each step was skipped (None when taken), seconds per
-    phase). Raises FloatingPointError when a step leaves non-finite weights."""
-    gate = None
-    if s.optim.epochs > 1:
-        gate = Gate(model, s.optim.gate)
-    if lookahead is None:
-        lookahead = Plain(s.optim.epochs)
-    try:
-        return _update(s, model, policy, optimizer, batch, device, compute or nullcontext(), ref,
-                       gate, lookahead)
-    finally:
-        if gate is not None:
-            gate.close()  # the hooks go with the update
-
-
 @dataclass
-class Pass:
-    """What every optimizer step of one update shares: the batch, the log-probs fixed at the start
-    of the step, and what the steps accumulate."""
+class Update:
+    """One step's update over this rank's batch: what its passes share (π_old, fixed at the start,
+    the shuffles of every pass) and what its optimizer steps accumulate. `start_update` makes it,
+    `run_pass` runs a pass, `finish_update` sums it up; `update_policy` is plain GRPO's sequence,
+    and a method that replaces the update (methods/) writes its own."""
 
+    s: UpdateSettings
+    model: torch.nn.Module  # the HF module
+    policy: torch.nn.Module  # what the training forward goes through (compiled, DDP)
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    compute: object  # the autocast context, or a null one
     batch: object  # Rollouts: this rank's update batch
+    plan: list  # per pass, the rows (indices) of each of its optimizer steps
+    trained: Tensor  # (B,) rows the loss may use (rollout.mask_truncated leaves truncated out)
     prox: Tensor | None  # (B, L) π_old, when a later optimizer step needs it
     ref: Tensor | None  # (B, L) the reference's, when beta > 0
     fresh: Tensor  # (B, L) completion tokens sampled for this step (not replayed)
     entropy: Tensor  # (B,) each row's mean token entropy, NaN until trained on
     gaps: list  # logp_gap sums of the fresh tokens at the sampling weights
     cost: dict  # token passes: tokens/fwd_bwd, tokens/no_grad (this rank's)
+    times: dict  # seconds per phase
+    steps: list = field(default_factory=list)  # each optimizer step's metrics
+    skipped: list = field(default_factory=list)  # why each step was not applied (None: it was)
 
 
-def _update(s, model, policy, optimizer, batch, device, compute, ref, gate, lookahead) -> tuple:
-    times, o = {}, s.optim
-    trained = ~batch.truncated if s.mask_truncated else torch.ones(len(batch), dtype=torch.bool)
-    passes = lookahead.begin(model, batch)
-    # Token passes (what the update costs): each row's tokens, per forward that runs it
-    cost = {"tokens/fwd_bwd": 0, "tokens/no_grad": 0}
-    reuse = o.minibatches > 1 or passes > 1
+def start_update(s: UpdateSettings, model, policy, optimizer, batch, device, compute, ref,
+                 passes: int) -> Update:
+    """An update of `passes` passes over `batch`: π_old once when any optimizer step follows the
+    first (a no-grad pass), the reference's log-probs when beta > 0, and every pass's shuffle
+    (`minibatch_plan`)."""
+    times, cost = {}, {"tokens/fwd_bwd": 0, "tokens/no_grad": 0}
+    compute = compute or nullcontext()
+    trained = torch.ones(len(batch), dtype=torch.bool)
+    if s.mask_truncated:
+        trained = ~batch.truncated
     prox, ref_lp = None, None
     with timed(times, "prox_logprobs"):  # π_old at the start of the step, for the later steps
-        if reuse:
+        if s.optim.minibatches > 1 or passes > 1:
             prox = no_grad_logprobs(model, batch, s, compute, device)[0]  # (B, L)
             cost["tokens/no_grad"] += int(batch.seq_len.sum())
     with timed(times, "ref_logprobs"):
@@ -452,41 +445,78 @@ def _update(s, model, policy, optimizer, batch, device, compute, ref, gate, look
             ref_lp = no_grad_logprobs(ref, batch, s, compute, device)[0]  # (B, L)
             cost["tokens/no_grad"] += int(batch.seq_len.sum())
     fresh = batch.completion_mask() & ~batch.replayed[:, None]  # (B, L) sampled for this step
-    gaps = [] if prox is None else [logp_gap(prox, batch.behav_logp, fresh)]
+    gaps = []
+    if prox is not None:
+        gaps.append(logp_gap(prox, batch.behav_logp, fresh))
+    plan = [[] for _ in range(passes)]
+    for k, rows in minibatch_plan(len(batch), s.optim, passes):
+        plan[k].append(rows)
     entropy = torch.full((len(batch),), math.nan)
-    at = Pass(batch, prox, ref_lp, fresh, entropy, gaps, cost)
-    steps, reasons, last_pass = [], [], -1
-    for epoch, rows in minibatch_plan(len(batch), o, passes):  # the same steps on every rank
-        if epoch != last_pass:  # SFPO's reposition, GXPO's extrapolation: between passes
-            lookahead.before_pass(epoch, model)
-            last_pass = epoch
-        rows = rows[trained[rows]]
-        # Before the first optimizer step the training forward is π_old itself (ratio exactly 1).
-        old = None if passes > 1 and not steps else prox
-        run = rows[batch.advantage[rows] != 0] if s.loss.beta == 0 else rows  # A = 0: no grad
+    return Update(s, model, policy, optimizer, device, compute, batch, plan, trained, prox,
+                  ref_lp, fresh, entropy, gaps, cost, times)
+
+
+def run_pass(u: Update, k: int, inspect=None) -> bool:
+    """Pass k over the batch: optim.minibatches optimizer steps, each a loss over its rows in
+    micro-batches, accumulated, clipped and applied. `inspect(k)`, when given, runs between a
+    step's backward and its optimizer step and returns metrics for the step's line; with
+    "gated": True among them the step is dropped (AdamW never sees it), and run_pass returns True:
+    the caller runs no more passes. Every rank takes the same steps."""
+    s, batch = u.s, u.batch
+    for rows in u.plan[k]:
+        rows = rows[u.trained[rows]]
+        # Before the first optimizer step of several passes the training forward is π_old itself
+        # (ratio exactly 1).
+        old = u.prox
+        if len(u.plan) > 1 and not u.steps:
+            old = None
+        run = rows
+        if s.loss.beta == 0:
+            run = rows[batch.advantage[rows] != 0]  # A = 0 gives no gradient
         n_seqs, n_tokens, signal = all_ranks(torch.tensor(
             [len(rows), float(batch.completion_len[rows].sum()),
              float((batch.advantage[rows] != 0).any())])).tolist()  # over every rank's rows
-        optimizer.zero_grad(set_to_none=True)
-        with timed(times, "forward_backward"), train_mode(policy):  # (checkpointing needs it)
-            sums, hi, lo = _forward_backward(s, policy, at, run, old, n_seqs, n_tokens,
-                                             signal > 0, device, compute)
-        with timed(times, "optimizer"):
-            lookahead.after_backward(epoch, model)  # GXPO: the gradient of this pass
-            measured = gate.check(epoch) if gate else {}
+        u.optimizer.zero_grad(set_to_none=True)
+        with timed(u.times, "forward_backward"), train_mode(u.policy):  # (checkpointing needs it)
+            sums, hi, lo = _forward_backward(s, u.policy, u, run, old, n_seqs, n_tokens,
+                                             signal > 0, u.device, u.compute)
+        with timed(u.times, "optimizer"):
+            measured = {}
+            if inspect is not None:
+                measured = inspect(k)
             gated = measured.pop("gated", False)
-            step = _optimizer_step(o.grad_clip, model, optimizer, sums, hi, lo, signal > 0, gated)
-            steps.append(step | measured | {"rows": all_ranks(float(len(run)))})
-            reasons.append(steps[-1].pop("skipped"))
-        if gated:  # the lm_head gradient surged: stop reusing this batch
-            break
-    summary = _summary(steps, reasons, gaps, o.minibatches) | lookahead.end(steps)
-    totals = all_ranks(torch.tensor(list(cost.values()), dtype=torch.float64))  # every rank's
-    cost = dict(zip(cost, totals.tolist()))
-    return summary | cost, entropy, reasons, times
+            step = _optimizer_step(s.optim.grad_clip, u.model, u.optimizer, sums, hi, lo,
+                                   signal > 0, gated)
+            u.steps.append(step | measured | {"rows": all_ranks(float(len(run)))})
+            u.skipped.append(u.steps[-1].pop("skipped"))
+        if gated:
+            return True
+    return False
 
 
-def _forward_backward(s, policy, at: Pass, run: Tensor, old: Tensor | None, n_seqs: float,
+def finish_update(u: Update, extra: dict | None = None) -> tuple:
+    """(the update's metrics: `_summary` of its steps, then `extra`, then its token passes summed
+    over ranks; each row's mean token entropy (NaN if not trained on); why each step was skipped
+    (None when taken); seconds per phase)."""
+    metrics = _summary(u.steps, u.skipped, u.gaps, u.s.optim.minibatches) | (extra or {})
+    totals = all_ranks(torch.tensor(list(u.cost.values()), dtype=torch.float64))  # every rank's
+    cost = dict(zip(u.cost, totals.tolist()))
+    return metrics | cost, u.entropy, u.skipped, u.times
+
+
+def update_policy(s: UpdateSettings, model, policy, optimizer, batch, device, compute=None,
+                  ref=None) -> tuple:
+    """Plain GRPO's update of `batch`: optim.epochs passes (GRPO's μ iterations), each
+    optim.minibatches optimizer steps, every step clipped against π_old. `model` is the HF
+    module, `policy` what the training forward goes through (compiled, DDP). Returns
+    `finish_update`'s tuple. Raises FloatingPointError when a step leaves non-finite weights."""
+    u = start_update(s, model, policy, optimizer, batch, device, compute, ref, s.optim.epochs)
+    for k in range(s.optim.epochs):
+        run_pass(u, k)
+    return finish_update(u)
+
+
+def _forward_backward(s, policy, at: Update, run: Tensor, old: Tensor | None, n_seqs: float,
                       n_tokens: float, signal: bool, device, compute) -> tuple:
     """The loss of rows `run` (indices into at.batch), micro-batch by micro-batch, and its
     gradient accumulated (n_seqs and n_tokens: the optimizer step's totals over every rank; no
@@ -528,15 +558,12 @@ def _forward_backward(s, policy, at: Pass, run: Tensor, old: Tensor | None, n_se
 
 def _summary(steps: list[dict], reasons: list, gaps: list[Tensor], minibatches: int) -> dict:
     """The update's metrics: each averaged over the optimizer steps that have it (a step with no
-    trained row has only loss and grad_norm), the largest gradient ratio the gate compared."""
+    trained row has only loss and grad_norm); tokens and rows summed over the steps applied."""
     keys = sorted({k for step in steps for k in step})
     metrics = {}
     for k in keys:
         have = [step[k] for step in steps if k in step]
         metrics[k] = sum(have) / len(have)
-    ratios = [step.get("optim/lm_head_grad_ratio_max", 0.0) for step in steps[minibatches:]]
-    if ratios:
-        metrics["optim/lm_head_grad_ratio_max"] = max(ratios)
     metrics |= _gap_metrics(gaps)
     applied = [step for step, why in zip(steps, reasons) if why != "gated"]
     metrics["tokens"] = sum(step.get("tokens", 0.0) for step in applied)

@@ -17,11 +17,20 @@ COUNTERS = {"trained_tokens": "tokens", "trained_rows": "rows", "fwd_bwd_tokens"
             "no_grad_tokens": "tokens/no_grad"}
 
 
-def log_row(r, step: int, fresh: Rollouts, batch: Rollouts, update: dict, skipped: list,
-            local: dict, t: dict) -> dict:
-    """One metrics line: fresh rows' statistics summed over ranks, the update's metrics, this rank's
-    own ones (advantages, verifier, replay, dynamic sampling) averaged over ranks, phase times."""
-    p = r.progress
+def count_update(p: dict, update: dict, skipped: list) -> None:
+    """Add the update's counts to the run's progress `p` (train.py's, checkpointed): its token
+    and row counts (`COUNTERS`) and why steps were skipped."""
+    for counter, key in COUNTERS.items():  # the update's compute, summed over the run
+        p[counter] += int(update[key])
+    for reason in filter(None, skipped):
+        p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # older checkpoints lack "gated"
+
+
+def log_row(p: dict, world: int, lr: float, step: int, fresh: Rollouts, batch: Rollouts,
+            update: dict, local: dict, t: dict) -> dict:
+    """One metrics line (`p` the run's progress, read only): fresh rows' statistics summed over
+    ranks, the update's metrics, this rank's own ones (advantages, verifier, replay, dynamic
+    sampling) averaged over the `world` ranks, the learning rate, phase times."""
     n = fresh.completion_len.double()
     sums = {"tokens": n.sum(), "rows": torch.tensor(len(fresh)),
             "reward": fresh.reward.double().sum(), "correct": fresh.correct.sum(),
@@ -31,11 +40,7 @@ def log_row(r, step: int, fresh: Rollouts, batch: Rollouts, update: dict, skippe
             "batch_tokens": batch.completion_len.sum()}
     s = dict(zip(sums, all_ranks(torch.stack(list(sums.values())).double())))
     keys = sorted(local)
-    means = all_ranks(torch.tensor([float(local[k]) for k in keys])) / r.world
-    for counter, key in COUNTERS.items():  # the update's compute, summed over the run
-        p[counter] += int(update[key])
-    for reason in filter(None, skipped):
-        p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # older checkpoints lack "gated"
+    means = all_ranks(torch.tensor([float(local[k]) for k in keys])) / world
     row = {"step": step + 1,
            "generated_tokens": p["generated_tokens"],
            "tokens/trained": p["trained_tokens"],
@@ -51,7 +56,7 @@ def log_row(r, step: int, fresh: Rollouts, batch: Rollouts, update: dict, skippe
            "replay/token_share": (s["replayed_tokens"] / s["batch_tokens"].clamp(min=1)).item()}
     row |= {k: v for k, v in update.items() if k not in COUNTERS.values()}
     row |= dict(zip(keys, means.tolist()))
-    row["lr"] = r.optimizer.param_groups[0]["lr"]
+    row["lr"] = lr
     row |= {f"skipped/{k}": v for k, v in p["skipped"].items()}
     row |= {f"time/{k}": v for k, v in t.items()}
     row["time/step"] = sum(t.values())

@@ -22,7 +22,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from batch import Rollouts, Row, pack_groups
 from support import decode, vllm
-from support.logprobs import kv_cache, packed_gqa, use_chunked_head
+from support.logprobs import float32_head, kv_cache, packed_gqa, use_chunked_head
 from support.parallel import hf_module
 from support.preempt import Interrupted, StopRequested, should_stop
 from support.util import mode
@@ -186,7 +186,7 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: RolloutConfig, sto
     use_chunked_head(model)  # float32 logits, as the training pass computes them
     rows = []
     try:
-        with mode(model, training=False), packed_gqa(cfg.pack_gqa):
+        with mode(model, training=False), packed_gqa(cfg.pack_gqa), float32_head(model):
             if cfg.refill:  # one call: its slots take the rows as earlier ones end
                 rows = _sample_slots(model, expanded, cfg, stop)
             else:

@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,22 +33,19 @@ from grpo import get_lr
 from config import Config, ConfigError, check_rules, load_config, update_settings, validate
 from data.loaders import load_task, prompt_stream
 from eval import run_eval
-from methods import dynamic
-from methods.lookahead import make_lookahead
-from metrics import log_row
+from methods import compose_rollout, compose_update
+from metrics import count_update, log_row
 from replay import make_replay, sizes
 from rewards import overlong_penalty, score_batch
 from rollout import make_sampler
 from support import checkpoint, parallel
 from support.checks import budget
-from support.models import load_run_model
-from support.parallel import MIN, all_ranks
+from support.models import load_run_model, save_model
+from support.parallel import all_ranks
 from support.preempt import (STOP, Interrupted, StoppedInSetup, generating, rewind, setting_up,
                              stopped_in_setup)
-from methods.greso import PromptSkip
 from support.prompts import chat_prompts, end_ids
-from support.rundir import RunFolder
-from methods.stages import Stages
+from support.rundir import RunFolder, write_file
 from support.util import RunError, library_versions, oneline, quiet, timed, torch_dtype
 
 
@@ -99,10 +97,13 @@ class Run:
     settings: grpo.UpdateSettings  # what grpo's update and no-grad passes read of cfg
     progress: dict = field(default_factory=checkpoint.new_progress)  # saved in checkpoints
     sampler: object = None  # rollout.HFSampler, or support/vllm.py's VLLMSampler
-    skip: object = None  # methods/greso.py's PromptSkip (skip.enabled: GRESO's prompt skipping)
-    stages: object = None  # methods/stages.py's Stages (stages.first > 0: staged rollouts)
-    lookahead: object = None  # methods/lookahead.py's: the passes over each batch (SFPO, GXPO)
-    extra: dict = field(default_factory=dict)  # what checkpoints save beside the buffer
+    rollout: object = None  # the rollout phase (compose_rollout): one_round, or DAPO's rounds
+    choose: object = None  # the next prompts: data.loaders.next_prompts, or GRESO's skipping
+    sample: object = None  # a round's generate-and-reward: plain_sample, or staged rollouts
+    update: object = None  # the update phase: grpo.update_policy, or a method that replaces it
+    methods: dict = field(default_factory=dict)  # the methods that are on and keep state: saved
+    observers: list = field(default_factory=list)  # methods on that learn from each rollout
+    generators: list = field(default_factory=list)  # RNGs a stop puts back with the rollout
     notes: list = field(default_factory=list)  # set-up's notes, printed once it has succeeded
     folder: RunFolder = None  # out_dir, locked by rank 0 from the start of set-up to the end
     log: object = None  # rank 0's: metrics.jsonl open for appending, wandb
@@ -171,13 +172,15 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
         r.progress["source_tokens"] = replay.start(problems, prompts, tokenizer, cfg, entropy)
     except (ValueError, OSError) as e:
         raise RunError(f"replay: {oneline(e)}") from None
-    r.skip = PromptSkip(cfg.skip, len(prompts), cfg.seed)  # the same state on every rank
-    r.stages = Stages(cfg.stages, tokenizer.pad_token_id)
-    r.lookahead = make_lookahead(cfg.lookahead, cfg.optim)  # SFPO, GXPO (lookahead.method)
-    r.extra = {"skip": r.skip, "stages": r.stages, "lookahead": r.lookahead}
+    # The phases, each plain GRPO's or a method's that replaces or wraps it (methods/__init__.py)
+    r.generators = [replay.gen]  # put back when a stop rewinds a step's rollout
+    r.choose, r.sample, r.rollout = compose_rollout(
+        cfg, len(prompts), tokenizer.pad_token_id, functools.partial(one_round, r), plain_sample,
+        r.methods, r.observers, r.generators)
+    r.update = compose_update(cfg, r.methods)
     if ck:
         r.notes.append(checkpoint.restore(ck, state, cfg, model, optimizer, replay, r.progress,
-                                          r.extra))
+                                          r.methods))
     return r
 
 
@@ -204,7 +207,7 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
         parallel.barrier()
         if r.rank == 0 and r.notes:
             print("\n".join(r.notes), file=sys.stderr)
-        return checkpoint.finish(r, loop(r))
+        return finish(r, loop(r))
     except BaseException as e:
         r.folder.failed()  # before it was under way: out_dir as set-up found it
         said = checkpoint.failure(e, r.out, r.progress["step"])  # a full disk, diverged weights
@@ -233,16 +236,17 @@ def loop(r: Run) -> int:
     for step in bar:
         t = {}
         # 1-2. Rollout: G completions per prompt, rewarded. A stop puts the step back as it was.
-        with rewind(p, [r.replay.gen, r.skip.gen]) as rewound:
-            fresh, rollout_metrics, generated = rollout(r, step, t)
+        with rewind(p, r.generators) as rewound:
+            fresh, rollout_metrics, generated, _ = r.rollout(step, t)
         if rewound.stopped:
             break
         # vLLM on a GPU frees its KV cache while the update needs the memory
         r.sampler.sleep()
         p["generated_tokens"] += generated
-        # GRESO's trace of each prompt's group means; staged rollouts' stored successes
-        r.skip.observe(fresh)
-        r.stages.keep(fresh)
+        # The methods that learn from the final rollout (GRESO's trace of group means, staged
+        # rollouts' stored successes): only those that are on
+        for method in r.observers:
+            method.observe(fresh)
         # 3. Advantages within each group (RLEP and ExGRPO first add stored rows to the groups)
         with timed(t, "advantage"):
             groups = r.replay.before_advantages(fresh, step)
@@ -254,9 +258,8 @@ def loop(r: Run) -> int:
         # 5. Update at this generation step's learning rate: passes of mini- and micro-batches
         for group in r.optimizer.param_groups:
             group["lr"] = get_lr(step, cfg)
-        update, entropy, skipped, times = grpo.update_policy(
-            r.settings, r.model, r.policy, r.optimizer, batch, r.device, r.compute, r.ref,
-            r.lookahead)
+        update, entropy, skipped, times = r.update(r.settings, r.model, r.policy, r.optimizer,
+                                                   batch, r.device, r.compute, r.ref)
         t |= times
         with timed(t, "weight_sync"):  # the sampler takes the new weights (HF: it has them)
             r.sampler.sync(r.model)
@@ -266,8 +269,12 @@ def loop(r: Run) -> int:
         # 7. One metrics line (metrics.py), written after 8., the eval every eval.every steps and
         # at the end
         p["step"] = step + 1
-        local = {**adv_metrics, **rollout_metrics, **r.replay.metrics(), **r.skip.metrics()}
-        p["pending_row"] = log_row(r, step, groups, batch, update, skipped, local, t)
+        local = {**adv_metrics, **rollout_metrics, **r.replay.metrics()}
+        for method in r.observers:
+            local |= method.metrics()
+        count_update(p, update, skipped)
+        lr = r.optimizer.param_groups[0]["lr"]
+        p["pending_row"] = log_row(p, r.world, lr, step, groups, batch, update, local, t)
         try:
             row = end_step(r, t_run)
         except Interrupted:  # the step is done: the checkpoint keeps its line for --resume
@@ -281,6 +288,28 @@ def loop(r: Run) -> int:
     return STOP.agreed()  # (the same answer on every rank, even for a signal during the last step)
 
 
+def finish(r: Run, signum: int) -> int:
+    """The run's end: after SIGTERM a checkpoint (unless the step's is there), after SIGINT a note
+    where to resume; otherwise final/ and summary.json. Returns the exit code."""
+    p = r.progress
+    if signum:
+        if signum == signal.SIGTERM and not checkpoint.saved_at(r.out, p["step"]):
+            checkpoint.save_checkpoint(r.out, r.cfg, r.model, r.tokenizer, r.optimizer, r.replay,
+                                       p, r.methods)
+        checkpoint.stopped(r.out, p, signum)
+        r.folder.commit()  # a resume's files: what the next --resume cuts back from
+        return 128 + signum
+    save_model(r.model, r.tokenizer, r.out / "final", dtype=torch_dtype(r.cfg.model.compute_dtype))
+    if r.rank == 0:
+        summary = checkpoint.summary(r.cfg, p)
+        write_file(r.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        r.folder.step_done(saved=True)  # a run of 0 steps: the old run goes, a resume's files in
+        if r.wandb:
+            r.wandb.summary.update(summary)
+            r.wandb.finish()
+    return 0
+
+
 def checkpoint_if_due(r: Run, first: bool) -> None:
     """A checkpoint of the step just done every checkpoint.every steps and after the last; the run
     folder then settles: an --overwrite's old run goes after this run's first step, a resume's
@@ -289,7 +318,7 @@ def checkpoint_if_due(r: Run, first: bool) -> None:
     saved = every > 0 and (step % every == 0 or step == r.cfg.max_steps)
     if saved:
         checkpoint.save_checkpoint(r.out, r.cfg, r.model, r.tokenizer, r.optimizer, r.replay,
-                                   r.progress, r.extra)
+                                   r.progress, r.methods)
     if saved or first:
         r.folder.step_done(saved)
 
@@ -300,7 +329,7 @@ def begin(r: Run) -> float | None:
     p = r.progress
     try:
         if p["step"] == 0:
-            p["eval_initial"] = p["eval_last"] = run_eval(r)
+            p["eval_initial"] = p["eval_last"] = held_out_eval(r)
         t_run = time.time() - p["wall"]
         if p["pending_row"]:
             end_step(r, t_run)
@@ -309,12 +338,18 @@ def begin(r: Run) -> float | None:
     return t_run
 
 
+def held_out_eval(r: Run) -> dict:
+    """The periodic eval (eval.py's run_eval) of the policy as it is now."""
+    return run_eval(r.sampler, r.model, r.compute, r.device, r.eval_prompts, r.eval_golds, r.cfg,
+                    r.progress["step"], r.rank)
+
+
 def end_step(r: Run, t_run: float) -> dict:
     """The finished step's eval when due, then its metrics line (kept in progress until written)."""
     cfg, p, row = r.cfg, r.progress, r.progress["pending_row"]
     if (cfg.eval.every and p["step"] % cfg.eval.every == 0) or p["step"] == cfg.max_steps:
         t0 = time.perf_counter()
-        p["eval_last"] = run_eval(r)
+        p["eval_last"] = held_out_eval(r)
         evals = {f"eval/{k}": v for k, v in p["eval_last"].items()}
         row = row | evals | {"time/eval": time.perf_counter() - t0}
     p["wall"] = time.time() - t_run
@@ -328,62 +363,45 @@ def end_step(r: Run, t_run: float) -> dict:
     return row
 
 
-def rollout(r: Run, step: int, t: dict) -> tuple[Rollouts, dict, int]:
-    """This step's fresh rows, rewarded, their metrics and the tokens generated (all ranks'):
-    prompts → plan → generate → reward. Under rollout.dynamic_sampling = N > 0 (DAPO), up to N
-    rounds run until every rank holds its share of groups with a reward spread; a capped step fills
-    up with flat groups."""
+def one_round(r: Run, step: int, t: dict, rnd: int = 0, rounds: int = 1) -> tuple:
+    """A round of the rollout: the next prompts (the data order, or GRESO's skipping), a replay
+    plan (RLEP and ExGRPO may replace prompts with stored ones; first round only), then each
+    prompt's completions generated and rewarded. Returns the rows, their metrics, the tokens
+    generated on every rank and this rank's number of prompts."""
     cfg, p = r.cfg, r.progress
     G = cfg.rollout.group_size
-    rounds = max(1, cfg.rollout.dynamic_sampling)
     n = cfg.rollout.batch_size // G  # prompts per round, over every rank
-    kept, spare, generated = [], [], 0
-    for rnd in range(rounds):
-        # Prompts: the next in data order (GRESO, skip.enabled, passes over likely-flat ones)
-        choice = r.skip.choose(prompt_stream(len(r.prompts), p["data_pos"], cfg.seed), n)
-        p["data_pos"] += choice.consumed
-        idx = parallel.share(choice.prompts)
-        mine = len(idx)  # this rank's prompts
-        counts = [G] * len(idx)
-        # Plan: replay may replace prompts with stored ones (RLEP, ExGRPO), in the first round
-        if rnd == 0:
-            idx, counts = r.replay.plan(idx, G, step)
-        # Generate and reward: counts[i] completions of prompt idx[i], in group group0 + i
-        group0 = (step * rounds + rnd) * n
-        key = ("train", cfg.seed, step, rnd, r.rank)  # an engine's seeds
-        fresh, metrics = sample(r, idx, counts, step, group0, key, t)
-        generated += int(all_ranks(float(fresh.completion_len[~fresh.replayed].sum())))
-        if not cfg.rollout.dynamic_sampling:
-            return fresh, metrics | r.stages.last, generated
-        # DAPO's dynamic sampling: another round unless every rank has its share of spread groups
-        informative, flat = dynamic.split(fresh)
-        kept.append(informative)
-        spare.append(flat)
-        if all_ranks(float(dynamic.groups(kept) >= mine), MIN):
-            break
-    fresh, rounds_metrics = dynamic.keep(kept, spare, mine, rnd + 1, r.tokenizer.pad_token_id)
-    return fresh, metrics | rounds_metrics, generated
+    choice = r.choose(prompt_stream(len(r.prompts), p["data_pos"], cfg.seed), n)
+    p["data_pos"] += choice.consumed
+    idx = parallel.share(choice.prompts)
+    mine = len(idx)  # this rank's prompts
+    counts = [G] * len(idx)
+    if rnd == 0:
+        idx, counts = r.replay.plan(idx, G, step)
+    group0 = (step * rounds + rnd) * n  # counts[i] completions of idx[i] in group group0 + i
+    key = ("train", cfg.seed, step, rnd, r.rank)  # an engine's seeds
+    generate = functools.partial(generate_and_reward, r, idx, step, group0, t=t)
+    fresh, metrics = r.sample(generate, counts, key)
+    generated = int(all_ranks(float(fresh.completion_len[~fresh.replayed].sum())))
+    return fresh, metrics, generated, mine
 
 
-def sample(r: Run, idx: list[int], counts: list[int], step: int, group0: int, key: tuple,
-           t: dict) -> tuple[Rollouts, dict]:
-    """counts[i] completions of prompt idx[i], rewarded, and the verifier's metrics. Staged
-    rollouts (stages.first = g1 > 0, methods/stages.py): g1 each first, then more only where they
-    can teach, and an unsolved prompt takes a stored success; off, one stage of counts."""
-    parts, said = [], []
-    todo = r.stages.first(counts)
-    while todo is not None:
-        prompts = [r.prompts[i] for i in idx]
-        stage_key = r.stages.key(key, len(parts))
-        with timed(t, "generate"), generating(r.model, r.compute):  # a stop: Interrupted
-            fresh, texts = r.sampler.generate(prompts, r.cfg.rollout, idx, step, todo, group0,
-                                              stage_key)
-        with timed(t, "reward"):
-            fresh.reward, fresh.correct, verifier = reward(r, fresh, texts)
-        parts.append(fresh)
-        said.append((verifier, len(fresh)))
-        todo = r.stages.next(parts, counts)
-    return r.stages.finish(parts, said, counts)
+def plain_sample(generate, counts: list[int], key: tuple) -> tuple[Rollouts, dict]:
+    """counts[i] completions of each prompt, rewarded, and the verifier's metrics: one call of
+    `generate` (staged rollouts, methods/stages.py, replace it)."""
+    return generate(counts, key)
+
+
+def generate_and_reward(r: Run, idx: list[int], step: int, group0: int, counts: list[int],
+                        key: tuple, t: dict) -> tuple[Rollouts, dict]:
+    """counts[i] completions of prompt idx[i] in group group0 + i, each rewarded, and the
+    verifier's metrics."""
+    prompts = [r.prompts[i] for i in idx]
+    with timed(t, "generate"), generating(r.model, r.compute):  # a stop: Interrupted
+        fresh, texts = r.sampler.generate(prompts, r.cfg.rollout, idx, step, counts, group0, key)
+    with timed(t, "reward"):
+        fresh.reward, fresh.correct, verifier = reward(r, fresh, texts)
+    return fresh, verifier
 
 
 def reward(r: Run, fresh: Rollouts, texts: list[str]) -> tuple:

@@ -14,6 +14,7 @@ folder and prints `case  sha256(metrics)  sha256(final weights)`. The vllm case 
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import subprocess
@@ -31,6 +32,10 @@ VARY = ("time/", "wall", "reward/verify_seconds", "reward/worker_frac")  # clock
 # Counters added after the fingerprints were pinned (#47: the update's token passes; #60: the greedy
 # eval, outside the run's RNG); they change no number the run computes, and tests check them.
 ADDED = ("tokens/fwd_bwd", "tokens/no_grad", "eval/greedy")
+# Keys older code logged with a constant where they meant nothing, removed since (#57: a gate's
+# lm_head ratio of 0.0 in SFPO's and GXPO's lines, whose passes no gate measures): a row's key
+# with exactly this value is left out of the digest; a measured value still counts.
+RETIRED = {"optim/lm_head_grad_ratio_max": 0.0}
 SMALL = ["--rollout.batch_size=32", "--rollout.group_size=4"]
 
 
@@ -56,7 +61,11 @@ def digest(out: Path) -> tuple[str, str]:
     h = hashlib.sha256()
     for line in (out / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        kept = {k: v for k, v in row.items() if not k.startswith(VARY) and k not in ADDED}
+        kept = {}
+        for k, v in row.items():
+            if k.startswith(VARY) or k in ADDED or RETIRED.get(k, math.nan) == v:
+                continue
+            kept[k] = v
         h.update(json.dumps(kept, sort_keys=True).encode())
     w = hashlib.sha256()
     for f in sorted((out / "final").glob("*.safetensors")):

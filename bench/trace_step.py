@@ -1,5 +1,5 @@
-"""Which of the repository's modules one ordinary training step runs: the claim that support/ is
-what a reader of GRPO may skip, measured.
+"""Which of the repository's modules one ordinary training step runs: the claims that support/ is
+what a reader of GRPO may skip, and that a method that is off is not in the step, measured.
 
   python bench/trace_step.py                          # the default run, configs/tiny.yaml
   python bench/trace_step.py --config configs/tiny/aper.yaml
@@ -10,7 +10,8 @@ only, no checkpoint: eval.every=0, checkpoint.every=0) and records, with sys.set
 Python function of the repository entered from the moment step 2's rollout starts until step 3's
 does: one step that is neither the first, nor an eval's, nor a checkpoint's. It prints each module
 entered with the functions, support/ modules first, and exits 1 when more support/ modules than
---max ran.
+--max ran, or more functions of methods/ than --max-methods (default 0: configs/tiny.yaml has
+every method off).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ SHORT = ["--max_steps=3", "--eval.every=0", "--eval.n=16", "--checkpoint.every=0
 
 class StepTrace:
     """A profile function: the repository's functions entered during the step `step` (0-based),
-    from the call of train.rollout for it to the call for the next."""
+    from the call of train.one_round for it (the step's first rollout round) to the call for the
+    next step."""
 
     def __init__(self, step: int):
         self.step = step
@@ -41,7 +43,7 @@ class StepTrace:
             return
         code = frame.f_code
         path = Path(code.co_filename)
-        if code.co_name == "rollout" and path.name == "train.py":
+        if code.co_name == "one_round" and path.name == "train.py":
             self.inside = frame.f_locals.get("step") == self.step
         if self.inside and path.is_relative_to(REPO):
             self.entered[str(path.relative_to(REPO))].add(code.co_qualname)
@@ -68,11 +70,18 @@ def support_modules(entered: dict[str, set]) -> list[str]:
     return sorted(m for m in entered if m.startswith("support/"))
 
 
+def methods_entered(entered: dict[str, set]) -> int:
+    """Functions of methods/ entered."""
+    return sum(len(f) for m, f in entered.items() if m.startswith("methods/"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--max", type=int, default=4, help="support/ modules allowed in one step")
+    ap.add_argument("--max-methods", type=int, default=0,
+                    help="functions of methods/ allowed in one step")
     ap.add_argument("overrides", nargs="*", help="config overrides for train.py (after --)")
     a = ap.parse_args()
     entered = trace(a.config, a.overrides)
@@ -81,7 +90,9 @@ def main() -> None:
     for module in support + others:
         print(f"{module:28s} {', '.join(sorted(entered[module]))}")
     print(f"\nsupport/ modules in one ordinary step: {len(support)} (at most {a.max})")
-    if len(support) > a.max:
+    methods = methods_entered(entered)
+    print(f"functions of methods/ entered: {methods} (at most {a.max_methods})")
+    if len(support) > a.max or methods > a.max_methods:
         sys.exit(1)
 
 

@@ -17,6 +17,7 @@ normalised here: equivalence is the verifier's job.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import numbers
@@ -26,7 +27,7 @@ import unicodedata
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import yaml
 
@@ -124,6 +125,18 @@ def prompt_order(n: int, position: int, count: int, seed: int) -> list[int]:
         take = perm[offset : offset + count - len(out)]
         out, position = out + take, position + len(take)
     return out
+
+
+class Choice(NamedTuple):
+    prompts: list[int]  # the n prompts to generate for, in data order
+    consumed: int  # candidates taken from the data order: advance the data position by this
+    skipped: int  # candidates skipped (consumed − n)
+
+
+def next_prompts(order: Iterator[int], n: int) -> Choice:
+    """The plain data order: the next n prompts of `order` (prompt_stream from the data position),
+    none skipped. GRESO's skipping (methods/greso.py) replaces it."""
+    return Choice(list(itertools.islice(order, n)), n, 0)
 
 
 def prompt_stream(n: int, position: int, seed: int):

@@ -1,6 +1,7 @@
 """DAPO's dynamic sampling (rollout.dynamic_sampling = N > 0; verl's `filter_groups`): a step
 generates up to N rounds of prompts until every rank holds its share of groups with a reward spread
-(train.rollout runs the rounds). It pays for signal with generation, which the comparison counts.
+(`Dynamic` wraps train.py's rollout round; train.py composes it at set-up). It pays for signal with
+generation, which the comparison counts.
 
 Departure from DAPO: a step whose N rounds found too few such groups is filled up with flat ones
 (`dynamic/capped`), so every step trains on the same number of groups; DAPO keeps sampling.
@@ -12,6 +13,7 @@ import torch
 
 from grpo import flat_groups
 from batch import Rollouts
+from support.parallel import MIN, all_ranks
 
 
 def split(fresh: Rollouts) -> tuple[Rollouts, Rollouts]:
@@ -35,3 +37,26 @@ def keep(kept: list[Rollouts], spare: list[Rollouts], wanted: int, rounds: int,
     metrics = {"dynamic/rounds": float(rounds), "dynamic/capped": float(capped),
                "dynamic/groups_dropped": float(fresh.group.unique().numel() - len(use))}
     return fresh.select(used), metrics
+
+
+class Dynamic:
+    """The rollout phase under dynamic sampling: `one_round(step, t, round, rounds)` (train.py's:
+    the next prompts, generated and rewarded; returns the rows, their metrics, the tokens generated
+    on every rank and this rank's prompts) up to `rounds` times, until every rank holds its share
+    of groups with a spread; then the first groups, informative ones first (the same four)."""
+
+    def __init__(self, one_round, rounds: int, pad_id: int):
+        self.one_round, self.rounds, self.pad_id = one_round, rounds, pad_id
+
+    def __call__(self, step: int, t: dict) -> tuple[Rollouts, dict, int, int]:
+        kept, spare, generated = [], [], 0
+        for rnd in range(self.rounds):
+            fresh, metrics, tokens, mine = self.one_round(step, t, rnd, self.rounds)
+            generated += tokens
+            informative, flat = split(fresh)
+            kept.append(informative)
+            spare.append(flat)
+            if all_ranks(float(groups(kept) >= mine), MIN):
+                break
+        fresh, rounds_metrics = keep(kept, spare, mine, rnd + 1, self.pad_id)
+        return fresh, metrics | rounds_metrics, generated, mine

@@ -1,6 +1,8 @@
-"""Gradient gating on reuse passes (optim.gate; DGG, arXiv 2605.19425): the lm_head gradient of
-each optimizer step, and the rule that drops a reuse step whose gradient surged (grpo.py,
-departure 11).
+"""Several plain passes over one batch (optim.epochs > 1, GRPO's μ iterations) with gradient gating
+(optim.gate; DGG, arXiv 2605.19425): the update that replaces grpo.update_policy when optim.epochs
+> 1 (train.py picks it at set-up). It measures the lm_head gradient of each optimizer step
+(logged), and with optim.gate > 0 drops a reuse step whose gradient surged and runs no more passes
+(grpo.py, departure 11).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import grpo
 from support.logprobs import output_layer, use_chunked_head
 from support.parallel import MAX, all_ranks
 
@@ -77,3 +80,25 @@ class Gate:
 
     def close(self) -> None:
         self.head.close()
+
+
+def reuse_update(s, model, policy, optimizer, batch, device, compute=None, ref=None) -> tuple:
+    """optim.epochs passes over `batch`, as grpo.update_policy runs them, each optimizer step's
+    lm_head gradient measured (`Gate.check`) and, with optim.gate > 0, a surge dropping the step
+    and the passes left. Logs optim/lm_head_grad_norm (mean over steps) and
+    optim/lm_head_grad_ratio_max (the largest ratio a reuse pass reached)."""
+    gate = Gate(model, s.optim.gate)
+    try:
+        u = grpo.start_update(s, model, policy, optimizer, batch, device, compute, ref,
+                              s.optim.epochs)
+        for k in range(s.optim.epochs):
+            if grpo.run_pass(u, k, gate.check):
+                break
+    finally:
+        gate.close()  # the hooks go with the update
+    metrics, entropy, skipped, times = grpo.finish_update(u)
+    reuse_steps = u.steps[s.optim.minibatches :]
+    ratios = [step.get("optim/lm_head_grad_ratio_max", 0.0) for step in reuse_steps]
+    if ratios:
+        metrics["optim/lm_head_grad_ratio_max"] = max(ratios)
+    return metrics, entropy, skipped, times

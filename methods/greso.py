@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
+from data.loaders import Choice
 from grpo import group_stats
 from support import parallel
 
@@ -68,12 +68,6 @@ class SkipConfig:
         }
 
 
-class Choice(NamedTuple):
-    prompts: list[int]  # the n prompts to generate for, in data order
-    consumed: int  # candidates taken from the data order: advance the data position by this
-    skipped: int  # candidates skipped (consumed − n)
-
-
 class PromptSkip:
     """Per training prompt, the part of its trace of group means that GRESO's rule reads: the
     length of its current run of easy visits and of hard visits (one of them is 0, both when the
@@ -110,10 +104,7 @@ class PromptSkip:
         that are all skippable still ends. One uniform draw per candidate before the cap
         (departure 3)."""
         chosen, consumed = [], 0
-        if not self.cfg.enabled:  # off: the next n, no draw
-            limit = 0
-        else:
-            limit = self.cfg.max_scan * n
+        limit = self.cfg.max_scan * n
         while len(chosen) < n:
             i = next(order)
             consumed += 1
@@ -128,9 +119,7 @@ class PromptSkip:
 
     def observe(self, fresh) -> None:
         """`update` with every rank's fresh groups of this step (Rollouts, rewarded), before any
-        stored row joins them; nothing when off."""
-        if not self.cfg.enabled:
-            return
+        stored row joins them (train.py calls it once the step's rollout is final)."""
         s = group_stats(fresh.reward, fresh.group)  # (K,) per group
         prompt = torch.zeros(len(s.ids), dtype=torch.long).scatter_(0, s.index, fresh.prompt_idx)
         seen = parallel.gather(list(zip(prompt.tolist(), s.mean.tolist(), s.flat.tolist())))
@@ -139,9 +128,7 @@ class PromptSkip:
                     torch.tensor([f for _, _, f in seen]))
 
     def metrics(self) -> dict[str, float]:
-        """The same keys every step (none when off); p after this step's update."""
-        if not self.cfg.enabled:
-            return {}
+        """The same keys every step; p after this step's update."""
         m = {f"greso/{k}": v for k, v in self.last.items()}
         m["greso/p_easy"] = self.p_easy
         m["greso/p_hard"] = self.p_hard

@@ -1,8 +1,9 @@
 """Several optimizer passes over one rollout batch, then control the drift (`lookahead.method`):
-SFPO's reposition and GXPO's gradient extrapolation. grpo.update_policy runs the passes; the
-object here says how many, and moves the weights between them.
+SFPO's reposition and GXPO's gradient extrapolation. Each is an update that replaces
+grpo.update_policy (train.py picks it at set-up): its own sequence of grpo.run_pass calls, with
+the moves between them written here.
 
-  none  one pass (plain GRPO; optim.epochs and DGG's gate are the other reuse knobs)
+  none  plain GRPO (grpo.update_policy; optim.epochs and DGG's gate are the other reuse knobs)
   sfpo  Slow-Fast Policy Optimization (ICLR 2026, arXiv 2510.04072; code Urheen/SFPO):
         K fast passes θ0 → θK; reposition θ̃ = θ0 + α(θK − θ0); one slow pass at θ̃.
   gxpo  Gradient-Extrapolation Policy Optimization (arXiv 2605.06755; its first author's code,
@@ -36,12 +37,14 @@ Departures from the released SFPO (Demo/fsdp_workers.py `sfpo_update_actor`, ray
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from support.parallel import local, resharded
+import grpo
+from support.parallel import local, resharded, say_once
 
 
 DELTA = 1e-8  # GXPO: |g0| below this is no signal; so is |1 + r|
@@ -69,6 +72,9 @@ class LookaheadConfig:
     """gxpo: weight ω of the newest norm in the running mean and variance of that z"""
     max_zero_share: float = 0.5
     """gxpo: a batch with more than this share of zero rewards takes one plain pass"""
+    gate_signal: str = "grad_norm"
+    """gxpo's fall-back reads: `grad_norm` (|z| of the corrective gradient norm, gate_z, gate_ema)
+    or `entropy` (SFPO's rule on each step's entropy: stop_window, stop_z; release a1db839a)"""
 
     def fits(self, optim) -> bool:
         """Whether optim.* leaves the passes to this method (the rule `PASSES` words)."""
@@ -88,6 +94,7 @@ class LookaheadConfig:
             "gate_z": (0 <= self.gate_z < 1e6, "≥ 0"),
             "gate_ema": (0 < self.gate_ema <= 1, "in (0, 1]"),
             "max_zero_share": (0 <= self.max_zero_share <= 1, "in [0, 1]"),
+            "gate_signal": (self.gate_signal in ("grad_norm", "entropy"), "grad_norm or entropy"),
         }
 
 
@@ -120,74 +127,43 @@ def lookahead_factor(g0: torch.Tensor, g1: torch.Tensor, K: int) -> torch.Tensor
     return torch.where(live, q, 1.0)
 
 
-class Plain:
-    """lookahead.method = none: optim.epochs passes, nothing between them."""
-
-    SHARED = True  # the same on every rank: checkpoints restore it on any number of processes
-
-    def __init__(self, epochs: int = 1):
-        self.epochs = epochs  # GRPO's μ passes, each clipped against π_old
-
-    def begin(self, model, batch) -> int:
-        """The passes over this step's `batch` (Rollouts)."""
-        return self.epochs
-
-    def before_pass(self, k: int, model) -> None:
-        pass
-
-    def after_backward(self, k: int, model) -> None:
-        pass
-
-    def end(self, steps: list[dict]) -> dict:
-        """Metrics, given each optimizer step's."""
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class SFPO(Plain):
-    """K fast passes, the reposition, one slow pass; once the entropy stop fires, one pass (GRPO).
+class SFPO:
+    """The update (replacing grpo.update_policy): K fast passes, the reposition, one slow pass;
+    once the entropy stop fires, one plain pass (GRPO) for the rest of the run.
 
     The stop (the release's ray_trainer): before each step, with the last `stop_window` steps'
     entropies e (the newest last), z = (e[-1] − mean e) / (std e + 1e-9), std the population's;
     z ≥ stop_z switches SFPO off for the rest of the run (an entropy surge: the fast passes have
     begun to destabilise the policy)."""
 
+    SHARED = True  # the same on every rank: checkpoints restore it on any number of processes
+
     def __init__(self, cfg: LookaheadConfig, minibatches: int = 1):
         self.cfg = cfg
         self.minibatches = minibatches  # optimizer steps per pass
         self.entropies = []  # the mean token entropy of each step's last pass, the newest last
         self.stopped = False
-        self.start = None  # θ0 of the step under way
 
-    def begin(self, model, batch) -> int:
-        self.start = None
-        w = self.cfg.stop_window
-        recent = self.entropies[-w:]
-        if w and len(recent) >= w and not self.stopped:
-            mean = sum(recent) / w
-            std = math.sqrt(sum((e - mean) ** 2 for e in recent) / w) + 1e-9
-            self.stopped = (recent[-1] - mean) / std >= self.cfg.stop_z
+    def __call__(self, s, model, policy, optimizer, batch, device, compute=None, ref=None):
+        if not self.stopped:
+            self.stopped = entropy_surged(self.entropies, self.cfg.stop_window, self.cfg.stop_z)
+        K = self.cfg.fast_steps
         if self.stopped:
-            return 1
-        self.start = [p.detach().clone() for p in trained(model)]
-        return self.cfg.fast_steps + 1
-
-    def before_pass(self, k: int, model) -> None:
-        if self.start is not None and k == self.cfg.fast_steps:
-            reposition(trained(model), self.start, self.cfg.alpha)
-            self.start = None  # θ0's copy is freed before the slow pass
-
-    def end(self, steps: list[dict]) -> dict:
-        last = [step["entropy"] for step in steps[-self.minibatches :] if "entropy" in step]
+            u = grpo.start_update(s, model, policy, optimizer, batch, device, compute, ref, 1)
+            grpo.run_pass(u, 0)
+        else:
+            start = [p.detach().clone() for p in trained(model)]  # θ0
+            u = grpo.start_update(s, model, policy, optimizer, batch, device, compute, ref, K + 1)
+            for k in range(K):  # the fast passes: θ0 → θK
+                grpo.run_pass(u, k)
+            reposition(trained(model), start, self.cfg.alpha)  # θ̃ = θ0 + α(θK − θ0)
+            del start  # θ0's copy is freed before the slow pass
+            grpo.run_pass(u, K)  # the slow pass, from θ̃
+        last = [step["entropy"] for step in u.steps[-self.minibatches :] if "entropy" in step]
         if last:  # (a pass that trained no token, every advantage 0, has no entropy)
             self.entropies.append(sum(last) / len(last))
             self.entropies = self.entropies[-max(1, self.cfg.stop_window) :]
-        return {"lookahead/active": float(not self.stopped)}
+        return grpo.finish_update(u, {"lookahead/active": float(not self.stopped)})
 
     def state_dict(self) -> dict:
         return {"entropies": torch.tensor(self.entropies, dtype=torch.float64),
@@ -198,74 +174,121 @@ class SFPO(Plain):
         self.stopped = bool(state["stopped"])
 
 
-class GXPO(Plain):
-    """Pass 0 at θ0 keeps its raw (pre-clip) gradient g0, pass 1 at θ1 keeps g1; then θ̃ = θ0 +
-    α·q⊙(θ2 − θ0) (`lookahead_factor`) and pass 2, the corrective one, steps from θ̃.
+def entropy_surged(entropies: list[float], window: int, z_stop: float) -> bool:
+    """SFPO's stop rule (and GXPO's entropy gate): with the last `window` entropies (the newest
+    last), z = (newest − mean) / (population std + 1e-9) ≥ z_stop; False before `window` exist or
+    with window 0."""
+    recent = entropies[-window:]
+    if not window or len(recent) < window:
+        return False
+    mean = sum(recent) / window
+    std = math.sqrt(sum((e - mean) ** 2 for e in recent) / window) + 1e-9
+    return (recent[-1] - mean) / std >= z_stop
 
-    Fall-back (the release's first, "permanent" rule): the corrective pass's pre-clip gradient
-    norm H is scored z = (H − m)/(s + 1e-8) against running m, s (start 1, 1; s ≥ 0.01), which
-    then move by ω: m ← (1−ω)m + ωH, s² ← (1−ω)s² + ω(H − m_old)²; |z| ≥ τ switches GXPO off for
-    the rest of the run. A batch with more than max_zero_share zero rewards takes one plain pass
-    and is not scored."""
 
-    def __init__(self, cfg: LookaheadConfig):
+class GXPO:
+    """The update (replacing grpo.update_policy): pass 0 at θ0 keeps its raw (pre-clip) gradient
+    g0, pass 1 at θ1 keeps g1; then θ̃ = θ0 + α·q⊙(θ2 − θ0) (`lookahead_factor`) and pass 2, the
+    corrective one, steps from θ̃.
+
+    Fall-back, lookahead.gate_signal = grad_norm (the release of e40b7ad): the corrective pass's
+    pre-clip gradient norm H is scored z = (H − m)/(s + 1e-8) against running m, s (start 1, 1;
+    s ≥ 0.01), which then move by ω: m ← (1−ω)m + ωH, s² ← (1−ω)s² + ω(H − m_old)²; |z| ≥ τ
+    switches GXPO off for the rest of the run. A step whose passes all had nothing to learn (every
+    advantage 0: no gradient, H = 0) is not scored. gate_signal = entropy (the release's final
+    main-table launcher, a1db839a): SFPO's entropy rule (`entropy_surged`, stop_window, stop_z).
+    A batch with more than max_zero_share zero rewards takes one plain pass and is not scored.
+    Switching off is said once on stderr and logged (lookahead/active 0)."""
+
+    SHARED = True  # the same on every rank: checkpoints restore it on any number of processes
+
+    def __init__(self, cfg: LookaheadConfig, say=say_once):
         self.cfg = cfg
         self.mean, self.var, self.stopped = 1.0, 1.0, False
-        self.start, self.grads, self.active = None, [], False
+        self.entropies = []  # gate_signal entropy: each step's last-pass entropy, the newest last
+        self.say = say  # one line when the gate switches GXPO off
 
-    def begin(self, model, batch) -> int:
-        self.start, self.grads = None, []
-        zero_share = float((batch.reward == 0).double().mean()) if len(batch) else 1.0
-        self.active = not self.stopped and zero_share <= self.cfg.max_zero_share
-        if not self.active:
-            return 1
-        self.start = [p.detach().clone() for p in trained(model)]
-        return 3
+    def __call__(self, s, model, policy, optimizer, batch, device, compute=None, ref=None):
+        if not self.stopped and self.cfg.gate_signal == "entropy":
+            self._switch(entropy_surged(self.entropies, self.cfg.stop_window, self.cfg.stop_z),
+                         "its entropy's z-score reached lookahead.stop_z")
+        zero_share = 1.0
+        if len(batch):
+            zero_share = float((batch.reward == 0).double().mean())
+        active = not self.stopped and zero_share <= self.cfg.max_zero_share
+        if not active:
+            u = grpo.start_update(s, model, policy, optimizer, batch, device, compute, ref, 1)
+            grpo.run_pass(u, 0)
+            return grpo.finish_update(u, {"lookahead/active": 0.0})
+        start = [p.detach().clone() for p in trained(model)]  # θ0
+        u = grpo.start_update(s, model, policy, optimizer, batch, device, compute, ref, 3)
+        grads = []  # g0, g1: each fast pass's gradient, before clipping
+        for k in range(2):
+            grpo.run_pass(u, k, functools.partial(self._keep_gradient, model, grads))
+        self._extrapolate(model, start, *grads)
+        del start
+        grads.clear()  # θ0's and the gradients' copies are freed before the corrective pass
+        grpo.run_pass(u, 2)  # the corrective pass
+        out = {"lookahead/active": 1.0}
+        if self.cfg.gate_signal == "entropy":
+            self._record_entropy(u.steps[-1])
+        elif any(why is None for why in u.skipped):  # a gradient was applied: score its norm
+            out["lookahead/z"] = self._score(u.steps[-1]["grad_norm"])
+        return grpo.finish_update(u, out)
 
-    def after_backward(self, k: int, model) -> None:
-        if self.active and k < 2:
-            params = [p for p in model.parameters() if p.requires_grad]
-            grads = []
-            for p in params:
-                g = torch.zeros_like(local(p)) if p.grad is None else local(p.grad).clone()
-                grads.append(g)
-            self.grads.append(grads)
+    @staticmethod
+    def _keep_gradient(model, grads: list, k: int) -> dict:
+        """This pass's gradient (this rank's part), copied before the optimizer step clips it."""
+        kept = []
+        for p in model.parameters():
+            if p.requires_grad:
+                kept.append(torch.zeros_like(local(p)) if p.grad is None else local(p.grad).clone())
+        grads.append(kept)
+        return {}
 
     @torch.no_grad()
-    def before_pass(self, k: int, model) -> None:
-        if not self.active or k != 2:
-            return
-        for p, p0, g0, g1 in zip(trained(model), self.start, *self.grads, strict=True):
-            q = lookahead_factor(g0.float(), g1.float(), self.cfg.fast_steps)
+    def _extrapolate(self, model, start: list, g0: list, g1: list) -> None:
+        """θ̃ = θ0 + α·q⊙(θ2 − θ0), per coordinate (`lookahead_factor`)."""
+        for p, p0, a, b in zip(trained(model), start, g0, g1, strict=True):
+            q = lookahead_factor(a.float(), b.float(), self.cfg.fast_steps)
             p.copy_(p0 + (self.cfg.alpha * q * (p.float() - p0.float())).to(p.dtype))
-        self.start, self.grads = None, []
 
-    def end(self, steps: list[dict]) -> dict:
-        out = {"lookahead/active": float(self.active)}
-        if not self.active:
-            return out
-        norm = steps[-1]["grad_norm"]  # the corrective pass's, before clipping
+    def _score(self, norm: float) -> float:
+        """z of the corrective gradient norm against the running statistics, which then move."""
         std = max(math.sqrt(self.var), 0.01)
         z = (norm - self.mean) / (std + 1e-8)
         old_mean = self.mean
         self.mean = (1 - self.cfg.gate_ema) * self.mean + self.cfg.gate_ema * norm
         self.var = (1 - self.cfg.gate_ema) * self.var + self.cfg.gate_ema * (norm - old_mean) ** 2
-        self.stopped = abs(z) >= self.cfg.gate_z
-        return out | {"lookahead/z": z}
+        self._switch(abs(z) >= self.cfg.gate_z, f"|z| of its corrective gradient norm {abs(z):.3g}"
+                     f" ≥ lookahead.gate_z {self.cfg.gate_z:g}")
+        return z
+
+    def _record_entropy(self, step: dict) -> None:
+        if "entropy" in step:  # (a pass that trained no token has none)
+            self.entropies.append(step["entropy"])
+            self.entropies = self.entropies[-max(1, self.cfg.stop_window) :]
+
+    def _switch(self, off: bool, why: str) -> None:
+        if off and not self.stopped:
+            self.say(f"note: gxpo switched to plain GRPO for the rest of the run ({why})")
+        self.stopped = self.stopped or off
 
     def state_dict(self) -> dict:
-        return {"mean": self.mean, "var": self.var, "stopped": self.stopped}
+        return {"mean": self.mean, "var": self.var, "stopped": self.stopped,
+                "entropies": torch.tensor(self.entropies, dtype=torch.float64)}
 
     def load_state_dict(self, state: dict) -> None:
         self.mean = float(state["mean"])
         self.var = float(state["var"])
         self.stopped = bool(state["stopped"])
+        entropies = state.get("entropies")  # (absent in checkpoints before gate_signal)
+        self.entropies = [] if entropies is None else entropies.tolist()
 
 
-def make_lookahead(cfg: LookaheadConfig, optim) -> Plain:
-    """The run's lookahead object (optim is the run's optim.* section)."""
+def make_lookahead(cfg: LookaheadConfig, optim):
+    """The update that replaces grpo.update_policy for lookahead.method (optim: the run's optim.*
+    section)."""
     if cfg.method == "sfpo":
         return SFPO(cfg, optim.minibatches)
-    if cfg.method == "gxpo":
-        return GXPO(cfg)
-    return Plain(optim.epochs)
+    return GXPO(cfg)

@@ -1,8 +1,8 @@
 """Staged rollouts: generate a few samples per prompt first, and the rest only where they can
 teach. The idea is AR3PO's (2025); it publishes no code, stage sizes or cap, so the rule here is
-ours. Sits inside generate in one step: the step asks `next_counts` how many more samples each
-prompt gets, generates them, verifies them, and asks again until every count is 0 (train.py's
-`sample`, with `Stages.first`, `next` and `finish`).
+ours. `Stages.sample` wraps a step's generate-and-reward (train.py composes it at set-up when
+stages.first > 0): it asks `next_counts` how many more samples each prompt gets, generates them,
+verifies them, and asks again until every count is 0.
 
 With G the group size and g1 = `first`:
   stage 1  every prompt gets g1 samples;
@@ -100,8 +100,8 @@ def metrics(correct: list[list[bool]], G: int) -> dict[str, float]:
 
 
 class Stages:
-    """Staged sampling of one step's prompts (`first`, `next`, `finish`) and, per prompt, the
-    latest verified success this rank generated (`stored`), which an unsolved prompt takes after
+    """Staged sampling of one step's prompts (`sample`) and, per prompt, the latest verified
+    success this rank generated (`stored`), which an unsolved prompt takes after
     the last stage. That row keeps its behaviour log-probs and is marked replayed and off-policy,
     so the loss corrects it as any replayed row (grpo.py, departure 1)."""
 
@@ -109,46 +109,29 @@ class Stages:
         self.cfg = cfg
         self.pad_id = pad_id
         self.stored = {}  # prompt index -> its latest verified-correct fresh row (a 1-row Rollouts)
-        self.last = {}
 
-    # train.py's stage loop: todo = first(counts); while todo: generate todo; todo = next(...)
-
-    def first(self, counts: list[int]) -> list[int] | None:
-        """Samples per prompt in stage 1: g1 each (off: counts[i], one stage); None when no rank
-        has any to generate. The stages run on every rank together (generation may be
+    def sample(self, generate, counts: list[int], key: tuple) -> tuple[Rollouts, dict]:
+        """The step's rows in stages: `generate(todo, key)` (train.py: generate and reward
+        todo[i] completions of each prompt, an engine's seeds from key) for g1 samples per prompt,
+        then for what `next_counts` asks until no rank has any left; then a stored success for
+        each unsolved prompt. Returns the rows and the rollout's metrics (the verifier's over the
+        stages, and stages/*). The stages run on every rank together (generation may be
         collective)."""
-        if self.cfg.first == 0:
-            return counts
-        return self._unless_done(next_counts([[]] * len(counts), counts, self.cfg.first))
-
-    def next(self, parts: list[Rollouts], counts: list[int]) -> list[int] | None:
-        """Samples per prompt in the next stage, given the stages so far (`parts`, rewarded): 0
-        for a prompt that stopped or is full; None when every rank is done (off: after one)."""
-        if self.cfg.first == 0:
-            return None
-        done = Rollouts.cat(parts, self.pad_id)
-        seen = outcomes(done.correct, done.group, _first_group(done, len(counts)))
-        return self._unless_done(next_counts(seen, counts, self.cfg.first))
-
-    def key(self, key: tuple, stage: int) -> tuple:
-        """An engine's seeds for `stage` (off: the step's own)."""
-        if self.cfg.first == 0:
-            return key
-        return (*key, stage)
-
-    def finish(self, parts: list[Rollouts], said: list[tuple[dict, int]],
-               counts: list[int]) -> tuple[Rollouts, dict]:
-        """Every stage's rows, then a stored success for each unsolved prompt that has one, and
-        the verifier's metrics over the stages (`said`: each stage's metrics and rows). Off: the
-        one stage as it came."""
-        if self.cfg.first == 0:
-            return parts[0], said[0][0]
+        parts, said = [], []
+        todo = self._unless_done(next_counts([[]] * len(counts), counts, self.cfg.first))
+        while todo is not None:
+            fresh, verifier = generate(todo, (*key, len(parts)))
+            parts.append(fresh)
+            said.append((verifier, len(fresh)))
+            done = Rollouts.cat(parts, self.pad_id)
+            seen = outcomes(done.correct, done.group, _first_group(done, len(counts)))
+            todo = self._unless_done(next_counts(seen, counts, self.cfg.first))
         fresh = Rollouts.cat(parts, self.pad_id)
         seen = outcomes(fresh.correct, fresh.group, _first_group(fresh, len(counts)))
-        self.last = metrics(seen, max(counts, default=1))
+        last = metrics(seen, max(counts, default=1))
         taken = self.take(fresh)
-        self.last["stages/stored_taken"] = float(len(taken))
-        return Rollouts.cat([fresh, taken], self.pad_id), _merge(said)
+        last["stages/stored_taken"] = float(len(taken))
+        return Rollouts.cat([fresh, taken], self.pad_id), _merge(said) | last
 
     @staticmethod
     def _unless_done(todo: list[int]) -> list[int] | None:
@@ -174,14 +157,16 @@ class Stages:
         out.onpolicy = torch.zeros(len(out), dtype=torch.bool)
         return out
 
-    def keep(self, fresh: Rollouts) -> None:
-        """Each prompt's latest verified success among this step's generated rows (the last one
-        wins); after the step's rollout is final (a stop during it leaves the store as it was).
-        Nothing when off."""
-        if self.cfg.first == 0:
-            return
+    def observe(self, fresh: Rollouts) -> None:
+        """Keep each prompt's latest verified success among this step's generated rows (the last
+        one wins); train.py calls it once the step's rollout is final (a stop during it leaves
+        the store as it was)."""
         for i in torch.nonzero(fresh.correct & ~fresh.replayed).squeeze(1).tolist():
             self.stored[int(fresh.prompt_idx[i])] = fresh.select(torch.tensor([i]))
+
+    def metrics(self) -> dict[str, float]:
+        """None after the update: staged rollouts' metrics (stages/*) come with each rollout."""
+        return {}
 
     def state_dict(self) -> dict:
         """The stored rows as one Rollouts' fields (tensors: checkpoints load weights_only)."""

@@ -7,7 +7,6 @@ itself (lock, --overwrite, the log) is support/rundir.py's.
 
 from __future__ import annotations
 
-import json
 import pickle
 import random
 import shutil
@@ -26,8 +25,7 @@ from data.loaders import problems_digest
 from support import integrity, replay_state
 from support.models import save_model
 from support.parallel import MAX, all_ranks, rank_and_world
-from support.rundir import write_file
-from support.util import RunError, flat_dict, oneline, rng_state, set_rng_state, torch_dtype
+from support.util import RunError, flat_dict, oneline, rng_state, set_rng_state
 
 # Config keys (and prefixes) that may change on --resume.
 RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint.",
@@ -63,47 +61,41 @@ def new_progress(problems: list | None = None) -> dict:
             "pending_row": None}  # a step's metrics line until it is written
 
 
-def finish(r, signum: int) -> int:
-    """The run's end (r is train.Run): after SIGTERM a checkpoint, after SIGINT a note where to
-    resume; otherwise final/ and summary.json. Returns the exit code."""
-    p = r.progress
-    last = checkpoints(r.out)
-    if signum == signal.SIGTERM and not (last and last[-1].name == f"step_{p['step']:06d}"):
-        save_checkpoint(r.out, r.cfg, r.model, r.tokenizer, r.optimizer, r.replay, p, r.extra)
-    if signum:
-        last = checkpoints(r.out)
-        where = f"--resume continues from {last[-1].name}" if last else "no checkpoint yet"
-        if p["pending_row"] and signum == signal.SIGTERM:
-            where += f" (with the eval of step {p['step']}, cut short)"
-        name = signal.Signals(signum).name
-        print(f"\nstopped by {name} after step {p['step']}; {where}", file=sys.stderr)
-        r.folder.commit()  # a resume's files: what the next --resume cuts back from
-        return 128 + signum
-    save_model(r.model, r.tokenizer, r.out / "final", dtype=torch_dtype(r.cfg.model.compute_dtype))
-    if r.rank == 0:
-        summary = {"strategy": r.cfg.replay.strategy, "seed": r.cfg.seed, "steps": r.cfg.max_steps,
-                   "eval_accuracy_initial": p["eval_initial"].get("accuracy"),
-                   "eval_accuracy_final": p["eval_last"].get("accuracy"),
-                   "eval_response_len_final": p["eval_last"].get("response_len"),
-                   "eval_entropy_final": p["eval_last"].get("entropy"),
-                   "eval_pass_at_k_final": p["eval_last"].get("pass@k"),
-                   "eval_maj_at_k_final": p["eval_last"].get("maj@k"),
-                   "eval_greedy_final": p["eval_last"].get("greedy"),
-                   "generated_tokens": p["generated_tokens"],
-                   "tokens_trained": p["trained_tokens"],
-                   "rows_trained": p["trained_rows"],
-                   "tokens_fwd_bwd": p["fwd_bwd_tokens"],
-                   "tokens_no_grad": p["no_grad_tokens"],
-                   "versions": p["versions"],
-                   "tokens_generated_total": p["generated_tokens"] + p["source_tokens"],
-                   "wall_seconds": p["wall"],
-                   "skipped_updates": p["skipped"]}
-        write_file(r.out / "summary.json", json.dumps(summary, indent=2) + "\n")
-        r.folder.step_done(saved=True)  # a run of 0 steps: the old run goes, a resume's files in
-        if r.wandb:
-            r.wandb.summary.update(summary)
-            r.wandb.finish()
-    return 0
+def stopped(out: Path, progress: dict, signum: int) -> None:
+    """After a stop (SIGTERM, SIGINT): one note on stderr saying where --resume continues."""
+    last = checkpoints(out)
+    where = f"--resume continues from {last[-1].name}" if last else "no checkpoint yet"
+    if progress["pending_row"] and signum == signal.SIGTERM:
+        where += f" (with the eval of step {progress['step']}, cut short)"
+    name = signal.Signals(signum).name
+    print(f"\nstopped by {name} after step {progress['step']}; {where}", file=sys.stderr)
+
+
+def saved_at(out: Path, step: int) -> bool:
+    """Whether the newest checkpoint is of `step`."""
+    last = checkpoints(out)
+    return bool(last) and last[-1].name == f"step_{step:06d}"
+
+
+def summary(cfg, p: dict) -> dict:
+    """summary.json of a finished run: its settings, first and last evals, counts and versions."""
+    return {"strategy": cfg.replay.strategy, "seed": cfg.seed, "steps": cfg.max_steps,
+            "eval_accuracy_initial": p["eval_initial"].get("accuracy"),
+            "eval_accuracy_final": p["eval_last"].get("accuracy"),
+            "eval_response_len_final": p["eval_last"].get("response_len"),
+            "eval_entropy_final": p["eval_last"].get("entropy"),
+            "eval_pass_at_k_final": p["eval_last"].get("pass@k"),
+            "eval_maj_at_k_final": p["eval_last"].get("maj@k"),
+            "eval_greedy_final": p["eval_last"].get("greedy"),
+            "generated_tokens": p["generated_tokens"],
+            "tokens_trained": p["trained_tokens"],
+            "rows_trained": p["trained_rows"],
+            "tokens_fwd_bwd": p["fwd_bwd_tokens"],
+            "tokens_no_grad": p["no_grad_tokens"],
+            "versions": p["versions"],
+            "tokens_generated_total": p["generated_tokens"] + p["source_tokens"],
+            "wall_seconds": p["wall"],
+            "skipped_updates": p["skipped"]}
 
 
 def failure(e: BaseException, out: Path, step: int) -> RunError | None:

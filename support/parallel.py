@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 import signal
 from contextlib import contextmanager, nullcontext
 
@@ -92,6 +93,12 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def say_once(line: str) -> None:
+    """A note during the run, on stderr, from rank 0 alone."""
+    if rank_and_world()[0] == 0:
+        print(line, file=sys.stderr)
 
 
 def barrier() -> None:

@@ -157,6 +157,29 @@ def test_an_ordinary_default_step_runs_at_most_four_support_modules():
     assert "update_policy" in entered["grpo.py"] and "policy_logprobs" in entered["grpo.py"]
     support = trace_step.support_modules(entered)
     assert len(support) <= 4, support
+    methods = {m: f for m, f in entered.items() if m.startswith("methods/")}
+    assert methods == {}, f"a method that is off ran in the default step: {methods}"
+
+
+def test_a_method_that_is_on_is_in_the_step():
+    """The other side of the trace: with SFPO on, its update runs (the tracer would see a method
+    that is on)."""
+    import trace_step
+
+    entered = trace_step.trace("configs/tiny.yaml", ["--lookahead.method=sfpo",
+                                                     "--lookahead.fast_steps=1"])
+    assert "SFPO.__call__" in entered.get("methods/lookahead.py", set())
+    assert trace_step.methods_entered(entered) > 0
+
+
+def test_only_train_py_imports_methods_on_the_reading_path():
+    """#57: the methods a researcher compares are composed by train.py at set-up; batch, rollout,
+    grpo, replay, rewards, eval and metrics import nothing from methods/ (config.py gathers each
+    method's config section, which lives beside the method)."""
+    for name in ("batch.py", "rollout.py", "grpo.py", "replay.py", "rewards.py", "eval.py",
+                 "metrics.py"):
+        assert "methods" not in reading_path_imports(REPO / name), name
+    assert "methods" in reading_path_imports(REPO / "train.py")
 
 
 def reading_path_imports(path: Path) -> set[str]:

@@ -6,6 +6,7 @@ config's rules, and a run through train.py that resumes bit for bit after SIGKIL
   python -m pytest -q tests/test_decode.py        # ~1 min on 2 CPU cores
 """
 
+import contextlib
 import functools
 import math
 
@@ -16,7 +17,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 import rollout
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, generate
-from support import decode
+from support import decode, logprobs
 from support.logprobs import kv_cache, use_chunked_head
 from support.preempt import Interrupted
 from support.util import RunError
@@ -361,3 +362,37 @@ def test_refill_with_a_huge_sync_every_ends_and_trains_as_with_a_small_one(tmp_p
     assert metrics(a) == metrics(b)
     wa, wb = (load_file(d / "final" / "model.safetensors") for d in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_bf16_head_is_made_float32_once_per_rollout_with_the_same_numbers(monkeypatch):
+    """A bf16 model's output layer: one float32 copy for the whole rollout (support.logprobs
+    float32_head; before: a conversion per decode step), and the same tokens, log-probs and
+    entropies, bit for bit, as converting at every step; on the default path and refill's."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok), dtype=torch.bfloat16)
+    prompts = [tok("1+2=")["input_ids"], tok("3+4=")["input_ids"]]
+    real, calls = logprobs._upcast, []
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(logprobs, "_upcast", counted)
+    for refill in (False, True):
+        cfg = RolloutConfig(group_size=2, max_new_tokens=10, refill=refill, gen_batch_size=4)
+        out = {}
+        for once in (True, False):
+            if not once:  # the per-step conversion, as before
+                monkeypatch.setattr(rollout, "float32_head", lambda model: contextlib.nullcontext())
+            calls.clear()
+            torch.manual_seed(0)
+            out[once], _ = generate(model, tok, prompts, cfg, [])
+            forwards = int(out[once].completion_len.max())  # at least: one per token index
+            if once:
+                assert len(calls) == 1, (refill, len(calls))
+            else:
+                assert len(calls) >= forwards, (refill, len(calls))
+        monkeypatch.undo()
+        monkeypatch.setattr(logprobs, "_upcast", counted)
+        for field in ("tokens", "behav_logp", "entropy"):
+            assert torch.equal(getattr(out[True], field), getattr(out[False], field)), field

@@ -23,6 +23,7 @@ from test_scale import model_dir, shard, synthetic_batch, tiny_qwen3  # noqa: F4
 from transformers import AutoModelForCausalLM
 
 import grpo
+from methods import compose_update
 from config import Config, update_settings
 from methods.gate import OutputGrad
 from support.logprobs import completion_logprobs
@@ -56,8 +57,9 @@ def run_update(update_policy, model, batch, cfg, seed: int = 0, sgd: bool = Fals
 
 
 def new_update(cfg, *args):
-    """Today's update_policy, called as the one before optim.epochs was (with the Config)."""
-    return grpo.update_policy(update_settings(cfg), *args)
+    """Today's update, as train.py composes it for `cfg` (methods.compose_update) (grpo.update_policy, or with optim.epochs
+    > 1 methods/gate.reuse_update), called as the one before optim.epochs was (with the Config)."""
+    return compose_update(cfg, {})(update_settings(cfg), *args)
 
 
 def old_grpo():
@@ -303,14 +305,14 @@ def test_trained_rows_count_every_pass_and_mini_batch(tmp_path, monkeypatch, arg
     summary's rows_trained) with 2 mini-batches: each row with a gradient (advantage ≠ 0, not
     masked) counts once per pass that applied, summed over the mini-batches; a gated pass adds
     none. Counted here from the batches the update was given."""
-    real, want = grpo.update_policy, []
+    real, want = grpo.start_update, []
 
     def counted(s, model, policy, optimizer, batch, *a, **k):
         trained = ~batch.truncated if s.mask_truncated else torch.ones(len(batch), dtype=bool)
         want.append(passes * int((trained & (batch.advantage != 0)).sum()))
         return real(s, model, policy, optimizer, batch, *a, **k)
 
-    monkeypatch.setattr(grpo, "update_policy", counted)
+    monkeypatch.setattr(grpo, "start_update", counted)  # every update starts with it
     rows = reliability.run_in_process(tmp_path / "run", *args, "--replay.strategy=none")
     assert [r["optim/epochs_run"] for r in rows] == [passes] * 2 and all(want)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from methods import stages
+from data.loaders import next_prompts
 from methods.greso import PromptSkip, SkipConfig
 
 ON = SkipConfig(enabled=True)  # (off, choose takes the next n and update learns nothing)
@@ -218,14 +219,11 @@ def test_stage_unsolved_outcomes_and_metrics():
     assert m == {"stages/stopped": 1 / 3, "stages/unsolved": 1 / 3, "stages/sample_share": 10 / 12}
 
 
-def test_skip_off_takes_the_next_n_and_logs_nothing():
-    """skip.enabled false (the default): choose() is the data order itself, with no draw, whatever
-    the traces say, and no greso/* metric is logged (the other arms' metrics stay as they were)."""
-    sk = PromptSkip(SkipConfig(), 8, seed=0)
-    for i in range(8):
-        visit(sk, i, 1.0, 1.0, 1.0)
-    state = sk.gen.get_state()
-    got = sk.choose(iter(range(8)), 4)
+def test_skip_off_takes_the_next_n_of_the_data_order():
+    """skip.enabled false (the default): the prompts are the data order itself
+    (data.loaders.next_prompts, no draw); no PromptSkip is made (train.compose_rollout)."""
+    got = next_prompts(iter(range(8)), 4)
     assert got.prompts == [0, 1, 2, 3] and got.consumed == 4 and got.skipped == 0
-    assert torch.equal(sk.gen.get_state(), state)
-    assert sk.metrics() == {}
+    order = iter(range(8))
+    next_prompts(order, 3)
+    assert next_prompts(order, 2).prompts == [3, 4], "the caller's order goes on where it stopped"

@@ -77,8 +77,7 @@ def test_sfpo_fast_passes_are_epochs_then_the_reposition_then_one_slow_pass(monk
     cfg = sfpo_settings(3, 0.8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sfpo = SFPO(cfg.lookahead)
-    metrics, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch,
-                                                CPU, lookahead=sfpo)
+    metrics, _, reasons, _ = sfpo(update_settings(cfg), model, model, opt, batch, CPU)
     assert reasons == [None] * 4 and metrics["optim/epochs_run"] == 4.0
     for k, v in theta3.items():
         assert torch.equal(seen["fast"][k], v), f"fast passes differ from epochs=3 at {k}"
@@ -107,20 +106,17 @@ def test_gxpo_moves_from_theta0_by_alpha_q_times_two_fast_steps(monkeypatch):
         return clip(params, *a, **k)
 
     gx = GXPO(cfg.lookahead)
-    real_before = gx.before_pass
+    real_extrapolate = gx._extrapolate
 
-    def before(k, m):
-        if k == 2:
-            at["theta2"] = {n: v.detach().clone() for n, v in model.named_parameters()}
-        real_before(k, m)
-        if k == 2:
-            at["tilde"] = {n: v.detach().clone() for n, v in model.named_parameters()}
+    def extrapolate(*args):
+        at["theta2"] = {n: v.detach().clone() for n, v in model.named_parameters()}
+        real_extrapolate(*args)
+        at["tilde"] = {n: v.detach().clone() for n, v in model.named_parameters()}
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", raw)
-    monkeypatch.setattr(gx, "before_pass", before)
+    monkeypatch.setattr(gx, "_extrapolate", extrapolate)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    metrics, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch,
-                                                CPU, lookahead=gx)
+    metrics, _, reasons, _ = gx(update_settings(cfg), model, model, opt, batch, CPU)
     assert reasons == [None] * 3 and metrics["lookahead/active"] == 1.0
     assert len(grads) == 3
     spread = []
@@ -136,31 +132,66 @@ def test_gxpo_moves_from_theta0_by_alpha_q_times_two_fast_steps(monkeypatch):
     assert gx.stopped == (abs(metrics["lookahead/z"]) >= 0.5)
 
 
+def passes(update, cfg, batch, model=None) -> int:
+    """The optimizer steps (one mini-batch: passes) an update ran over `batch`."""
+    model = model or tiny_qwen3(300)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _, _, reasons, _ = update(update_settings(cfg), model, model, opt, batch, CPU)
+    return len(reasons)
+
+
 def test_gxpo_falls_back_to_one_pass_on_a_mostly_failed_batch_and_after_its_switch():
-    cfg = LookaheadConfig(method="gxpo", fast_steps=5, alpha=0.5)
-    gx = GXPO(cfg)
-    model, batch = tiny_qwen3(300), synthetic_batch(300)
+    cfg = epochs_cfg(1)
+    cfg.lookahead.method, cfg.lookahead.fast_steps, cfg.lookahead.alpha = "gxpo", 5, 0.5
+    cfg.lookahead.gate_z = 1e5
+    gx = GXPO(cfg.lookahead)
+    batch = synthetic_batch(300)
     batch.reward = torch.zeros(len(batch))
-    assert gx.begin(model, batch) == 1
+    assert passes(gx, cfg, batch) == 1
     batch.reward = torch.ones(len(batch))
-    assert gx.begin(model, batch) == 3
+    assert passes(gx, cfg, batch) == 3
     gx.stopped = True
-    assert gx.begin(model, batch) == 1
+    assert passes(gx, cfg, batch) == 1
+
+
+def test_gxpo_is_not_scored_on_a_step_with_nothing_to_learn_and_says_when_it_switches_off():
+    """max_zero_share 1 and every advantage 0: the passes are all skipped, so the gradient norm
+    (0) is not scored and GXPO stays on; a gate that fires says so in one line."""
+    cfg = epochs_cfg(1)
+    cfg.lookahead.method, cfg.lookahead.max_zero_share = "gxpo", 1.0
+    said = []
+    gx = GXPO(cfg.lookahead, said.append)
+    batch = synthetic_batch(300)
+    batch.reward = torch.zeros(len(batch))
+    batch.advantage = torch.zeros(len(batch))
+    assert passes(gx, cfg, batch) == 3 and not gx.stopped and not said
+    cfg.lookahead.gate_z = 0.0  # any score switches it off
+    gx = GXPO(cfg.lookahead, said.append)
+    batch = synthetic_batch(300)
+    batch.reward = torch.ones(len(batch))
+    passes(gx, cfg, batch)
+    assert gx.stopped and len(said) == 1 and "gxpo switched to plain GRPO" in said[0]
+
+
+def test_entropy_surge_rule_by_hand():
+    """z = (newest − mean) / (population std + 1e-9) over the last `window` entropies."""
+    assert not lookahead.entropy_surged([1.0, 1.1, 0.9], 4, 1.0), "the window (4) is not full"
+    assert lookahead.entropy_surged([1.0, 1.1, 0.9, 2.0], 4, 1.0)  # z = 0.75/0.43 = 1.73
+    assert not lookahead.entropy_surged([1.0, 1.1, 0.9, 2.0], 4, 1.8)
+    assert not lookahead.entropy_surged([1.0, 1.1, 0.9, 2.0], 0, 1.0), "window 0: never"
 
 
 def test_sfpo_stop_rule_latches_on_an_entropy_surge():
-    cfg = LookaheadConfig(method="sfpo", fast_steps=3, stop_window=4, stop_z=1.0)
-    sf = SFPO(cfg)
-    model, batch = tiny_qwen3(300), synthetic_batch(300)
-    for e in (1.0, 1.1, 0.9):
-        assert sf.begin(model, batch) == 4
-        sf.end([{"entropy": e}])
-    assert sf.begin(model, batch) == 4, "3 entropies: the window (4) is not full"
-    sf.end([{"entropy": 2.0}])  # z = (2 − 1.25)/0.43 = 1.73
-    assert sf.begin(model, batch) == 1 and sf.stopped
-    sf.end([{"entropy": 1.0}])
-    sf.end([{"entropy": 1.0}])
-    assert sf.begin(model, batch) == 1, "the stop is for good"
+    cfg = sfpo_settings(3, 0.8)
+    cfg.lookahead.stop_window, cfg.lookahead.stop_z = 4, 1.0
+    sf = SFPO(cfg.lookahead)
+    batch = synthetic_batch(300)
+    sf.entropies = [1.0, 1.1, 0.9]
+    assert passes(sf, cfg, batch) == 4, "3 entropies: the window (4) is not full"
+    sf.entropies = [1.0, 1.1, 0.9, 2.0]  # z = (2 − 1.25)/0.43 = 1.73
+    assert passes(sf, cfg, batch) == 1 and sf.stopped
+    sf.entropies = [1.0] * 4
+    assert passes(sf, cfg, batch) == 1, "the stop is for good"
 
 
 def test_token_passes_equal_the_positions_the_forwards_ran():
@@ -178,8 +209,8 @@ def test_token_passes_equal_the_positions_the_forwards_ran():
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     try:
-        metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, model, opt, batch, CPU,
-                                              lookahead=SFPO(cfg.lookahead))
+        metrics, _, _, _ = SFPO(cfg.lookahead)(update_settings(cfg), model, model, opt, batch,
+                                               CPU)
     finally:
         handle.remove()
     assert metrics["tokens/fwd_bwd"] == counts[True] > 0

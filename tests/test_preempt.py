@@ -55,11 +55,12 @@ env = os.environ
 phase, at, delay = env["SLOW_PHASE"], int(env["SLOW_STEP"]), float(env["SLOW_DELAY"])
 call = int(env.get("SLOW_CALL", "1"))
 state = {"on": False, "marked": False, "step": -1, "calls": 0, "eval": False}
-real_rollout, real_eval, real_generate = train.rollout, train.run_eval, rollout.generate
+real_round, real_eval, real_generate = train.one_round, train.held_out_eval, rollout.generate
 real_token = rollout._SamplingDistribution.__call__
-def rollout_(r, step, t):
-    state["step"], state["calls"] = step, 0
-    return real_rollout(r, step, t)
+def round_(r, step, t, rnd=0, rounds=1):
+    if rnd == 0:  # a step's rollout starts
+        state["step"], state["calls"] = step, 0
+    return real_round(r, step, t, rnd, rounds)
 def generate_(*a, **k):
     if state["eval"]:  # the eval's generate calls: run_eval_ decides
         return real_generate(*a, **k)
@@ -84,7 +85,7 @@ def token(self, input_ids, scores):
             state["marked"] = True
         time.sleep(delay)
     return real_token(self, input_ids, scores)
-train.rollout, train.run_eval, rollout.generate = rollout_, run_eval_, generate_
+train.one_round, train.held_out_eval, rollout.generate = round_, run_eval_, generate_
 rollout._SamplingDistribution.__call__ = token
 sys.exit(train.main(sys.argv[1:]))
 """

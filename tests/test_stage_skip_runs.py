@@ -103,15 +103,8 @@ def rows(prompt: list[int], correct: list[bool], group: int, step: int = 0) -> R
 
 
 def run_stages(st: Stages, sample, counts: list[int], key: tuple):
-    """train.sample's stage loop over a stand-in `sample(todo, key)`."""
-    parts, said = [], []
-    todo = st.first(counts)
-    while todo is not None:
-        rows, verifier = sample(todo, st.key(key, len(parts)))
-        parts.append(rows)
-        said.append((verifier, len(rows)))
-        todo = st.next(parts, counts)
-    return st.finish(parts, said, counts)
+    """Stages.sample over a stand-in `sample(todo, key)`."""
+    return st.sample(sample, counts, key)
 
 
 def test_stage_unsolved_prompt_takes_its_stored_success_off_policy():
@@ -127,17 +120,17 @@ def test_stage_unsolved_prompt_takes_its_stored_success_off_policy():
 
     first, _ = run_stages(st, sample_step(0), [4], ("k",))  # solved 2 of 2: stops
     assert calls == [[2]] and len(first) == 2 and 7 not in st.stored
-    st.keep(first)  # once the step's rollout is final (train.loop)
+    st.observe(first)  # once the step's rollout is final (train.loop)
     assert 7 in st.stored
     calls.clear()
     # 0 of 2, then 0 of 4: takes the stored row
-    second, _ = run_stages(st, sample_step(1), [4], ("k",))
+    second, said = run_stages(st, sample_step(1), [4], ("k",))
     assert calls == [[2], [2]]
     taken = second.select(second.replayed)
     assert len(taken) == 1 and bool(taken.correct.all())
     assert int(taken.group) == 11 and not bool(taken.onpolicy.any())
     assert torch.equal(taken.behav_logp[0, 2:], torch.tensor([-0.5, -0.5]))
-    assert st.last["stages/stored_taken"] == 1.0
+    assert said["stages/stored_taken"] == 1.0
 
 
 def test_stage_take_only_all_wrong_groups_whose_prompt_has_a_stored_success():
@@ -145,7 +138,7 @@ def test_stage_take_only_all_wrong_groups_whose_prompt_has_a_stored_success():
     one, into that group: a mixed group (its correct row first or last), an all-right group and
     an all-wrong group of a prompt with nothing stored take nothing."""
     st = Stages(StageConfig(first=2), pad_id=0)
-    st.keep(Rollouts.cat([rows([p], [True], group=0, step=1) for p in (7, 8, 9, 10, 11)], 0))
+    st.observe(Rollouts.cat([rows([p], [True], group=0, step=1) for p in (7, 8, 9, 10, 11)], 0))
     fresh = Rollouts.cat([rows([7], [True, False], 20), rows([8], [False, False], 21),
                           rows([9], [False, True], 22), rows([10], [True, True], 23),
                           rows([5], [False, False], 24), rows([11], [False, False], 25)], 0)
