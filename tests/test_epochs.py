@@ -57,8 +57,9 @@ def run_update(update_policy, model, batch, cfg, seed: int = 0, sgd: bool = Fals
 
 
 def new_update(cfg, *args):
-    """Today's update, as train.py composes it for `cfg` (methods.compose_update) (grpo.update_policy, or with optim.epochs
-    > 1 methods/gate.reuse_update), called as the one before optim.epochs was (with the Config)."""
+    """Today's update, as train.py composes it for `cfg` (methods.compose_update: with
+    optim.epochs > 1 methods/gate.reuse_update), called as the one before optim.epochs was (with
+    the Config)."""
     return compose_update(cfg, {})(update_settings(cfg), *args)
 
 
@@ -355,8 +356,9 @@ def sgd_update(policy, model, batch, cfg, compute=None):
 
     before = flat()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, policy, opt, batch,
-                                                CPU, compute or contextlib.nullcontext())
+    update = compose_update(cfg, {})  # with optim.epochs > 1: methods/gate.reuse_update
+    metrics, _, reasons, _ = update(update_settings(cfg), model, policy, opt, batch, CPU,
+                                    compute or contextlib.nullcontext())
     return before - flat(), metrics, reasons
 
 

@@ -75,7 +75,8 @@ def test_stage_generated_tokens_equal_the_sum_of_generated_lengths(tmp_path, mon
     monkeypatch.setattr(rollout, "generate", counted)
     out = tmp_path / "run"
     args = [a for a in SMALL if not a.startswith("--max_steps")]
-    assert train.main([*args, "--max_steps=6", f"--out_dir={out}", "--eval.n=1"]) == 0
+    assert train.main([*args, "--max_steps=6", f"--out_dir={out}", "--eval.n=1",
+                       "--eval.greedy=false"]) == 0
     m = lines(out)
     assert sum(r["stages/stored_taken"] for r in m) > 0, "nothing taken: the test proves less"
     evals = 2  # the evals at steps 0 and 6 sample too: one problem, k = 1 each
