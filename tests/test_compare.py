@@ -375,7 +375,7 @@ def test_plateau_check_on_hand_made_curves(tmp_path):
     missing = subprocess.run([*script, str(tmp_path / "nope")], check=False, capture_output=True,
                              text=True)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
-    assert missing.stderr.startswith("error: ")
+    assert missing.stderr.startswith("plateau.py: error: ")  # (bench/cli.py's parser)
 
 
 def test_area_default_budget_is_the_shortest_baseline_run_and_lora_is_its_own_arm(tmp_path):
