@@ -308,12 +308,15 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from bench import cli  # (here: gpu_check and the tests import this module for its tables)
+
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--measure", action="store_true",
                     help="run the CPU measurement instead of printing the table")
-    ap.add_argument("--steps", type=int, default=2, help="2: AdamW's state exists from step 2 on")
-    ap.add_argument("--lora", type=int, default=0, help="--measure with LoRA adapters of this rank")
+    ap.add_argument("--steps", type=cli.positive_int, default=2,
+                    help="2: AdamW's state exists from step 2 on")
+    ap.add_argument("--lora", type=cli.count, default=0,
+                    help="--measure with LoRA adapters of this rank")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
