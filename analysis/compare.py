@@ -28,9 +28,8 @@ from analysis.compare_io import (arm_versions, compare_table, given_twice, load_
 from analysis.pooling import incomparable
 from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, mean_known,
                             paired_ratio, welch_p)
-from bench.cli import file_fault, folder_fault
 from support.locks import results_dir
-from support.util import OneLineParser, RunError
+from support.util import OneLineParser, RunError, file_fault, folder_fault
 
 
 def compute(generated: float, fwd_bwd: float, no_grad: float) -> float:
