@@ -3,13 +3,13 @@ with the HF engine, at a real model's shape (random weights):
 
   before     FSDP2 at world size 1, its forward hooks on during generation, HF's DynamicCache
   hooks_off  FSDP2 at world size 1 as `parallel.generation` runs it now (hooks off), HF's cache
-  after      hooks off and the KV cache written in place (support.logprobs._KVCache): today's path
+  after      hooks off and the KV cache written in place (support.kvcache._KVCache): today's path
   static     as after with rollout.static_cache: transformers' StaticCache, and on a GPU the
              decode step compiled (torch.compile, CUDA graphs); --compile-anywhere: compiled on
              this device too (transformers' compile config for every device), which proves the
              path a GPU takes on a CPU
   packed     as after with rollout.pack_gqa: a decode step's attention on the KV heads, K and V
-             never expanded per query head (support.logprobs.packed_gqa)
+             never expanded per query head (support.kvcache.packed_gqa)
   static_packed  static and packed together
   refill     as after with rollout.refill: support/decode.py's own loop (slots, a fixed-size
              cache, Gumbel-max draws, the host reading the device every rollout.sync_every steps)

@@ -3,7 +3,7 @@
 at a Qwen2.5-like shape (random weights, FSDP2 at world size 1, bf16 weights, one thread):
 
   before  FSDP's forward hooks on during generation, HF's DynamicCache
-  after   hooks off, the KV cache written in place (support.logprobs.kv_cache): today's path
+  after   hooks off, the KV cache written in place (support.kvcache.kv_cache): today's path
 
   python bench/generation_memory.py                     # 8 rows, prompts of 64, 64 new tokens
   python bench/generation_memory.py --new-tokens 640    # the peak moves to the last decode step
@@ -43,7 +43,7 @@ from bench.decode_step import SHAPES, generating_as, qwen_like, random_prompts, 
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig
 from support import parallel
-from support.logprobs import cache_kwarg
+from support.kvcache import cache_kwarg
 from support.parallel import hf_module
 
 ARMS = ("before", "after")

@@ -33,7 +33,7 @@ under fsdp):
                states, the rotary tables), and a decoding step, the whole KV cache
                gen_batch·T·L·2·n_kv·d·2 beside the float32 copy of the output layer (4·V·H,
                when a = 2) and the sampler's five float32 (gen_batch, V) tensors. (The cache
-               takes its full length at the first decoding step: support.logprobs._KVCache.)
+               takes its full length at the first decoding step: support.kvcache._KVCache.)
   optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
 LoRA (model.lora.rank r > 0; P_A = r · Σ (fan-in + fan-out) over the linear layers of every block):
   weights a·P (the frozen base, in the compute dtype) + 4·P_A; gradients 4·P_A; optimizer 8·P_A;
