@@ -17,15 +17,6 @@ COUNTERS = {"trained_tokens": "tokens", "trained_rows": "rows", "fwd_bwd_tokens"
             "no_grad_tokens": "tokens/no_grad"}
 
 
-def count_update(p: dict, update: dict, skipped: list) -> None:
-    """Add the update's counts to the run's progress `p` (train.py's, checkpointed): its token
-    and row counts (`COUNTERS`) and why steps were skipped."""
-    for counter, key in COUNTERS.items():  # the update's compute, summed over the run
-        p[counter] += int(update[key])
-    for reason in filter(None, skipped):
-        p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # older checkpoints lack "gated"
-
-
 def log_row(p: dict, world: int, lr: float, step: int, fresh: Rollouts, batch: Rollouts,
             update: dict, local: dict, t: dict) -> dict:
     """One metrics line (`p` the run's progress, read only): fresh rows' statistics summed over

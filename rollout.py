@@ -22,7 +22,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from batch import Rollouts, Row, pack_groups
 from support import decode, vllm
-from support.logprobs import float32_head, kv_cache, packed_gqa, use_chunked_head
+from support.kvcache import kv_cache, packed_gqa
+from support.logprobs import float32_head, use_chunked_head
 from support.parallel import hf_module
 from support.preempt import Interrupted, StopRequested, should_stop
 from support.util import mode
@@ -66,7 +67,7 @@ class RolloutConfig:
     pack_gqa: bool = False
     """hf: at each decode step, attention reads the cached K and V as they are, the query heads
     that share a KV head packed together, instead of transformers' copy of them per head
-    (`support.logprobs.packed_gqa`; sdpa attention, transformers' default, only). Samples
+    (`support.kvcache.packed_gqa`; sdpa attention, transformers' default, only). Samples
     agree within float tolerance (docs/gpu.md)."""
     refill: bool = False
     """hf: decode with support/decode.py's own loop: gen_batch_size slots in one fixed-size KV

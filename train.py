@@ -34,7 +34,7 @@ from config import Config, ConfigError, check_rules, load_config, update_setting
 from data.loaders import load_task, prompt_stream
 from eval import run_eval
 from methods import compose_rollout, compose_update
-from metrics import count_update, log_row
+from metrics import COUNTERS, log_row
 from replay import make_replay, sizes
 from rewards import overlong_penalty, score_batch
 from rollout import make_sampler
@@ -179,8 +179,10 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
         r.methods, r.observers, r.generators)
     r.update = compose_update(cfg, r.methods)
     if ck:
-        r.notes.append(checkpoint.restore(ck, state, cfg, model, optimizer, replay, r.progress,
-                                          r.methods))
+        note, saved = checkpoint.restore(ck, state, cfg, model, optimizer, replay, r.progress,
+                                         r.methods)
+        r.progress.update(saved)  # the step, the data position, the counts, the evals
+        r.notes.append(note)
     return r
 
 
@@ -236,9 +238,11 @@ def loop(r: Run) -> int:
     for step in bar:
         t = {}
         # 1-2. Rollout: G completions per prompt, rewarded. A stop puts the step back as it was.
-        with rewind(p, r.generators) as rewound:
+        data_pos = p["data_pos"]
+        with rewind(r.generators) as rewound:
             fresh, rollout_metrics, generated, _ = r.rollout(step, t)
         if rewound.stopped:
+            p["data_pos"] = data_pos  # --resume takes this step's prompts again
             break
         # vLLM on a GPU frees its KV cache while the update needs the memory
         r.sampler.sleep()
@@ -308,6 +312,15 @@ def finish(r: Run, signum: int) -> int:
             r.wandb.summary.update(summary)
             r.wandb.finish()
     return 0
+
+
+def count_update(p: dict, update: dict, skipped: list) -> None:
+    """Add the update's counts to the run's progress `p`: its token and row counts
+    (metrics.COUNTERS) and why steps were skipped."""
+    for counter, key in COUNTERS.items():  # the update's compute, summed over the run
+        p[counter] += int(update[key])
+    for reason in filter(None, skipped):
+        p["skipped"][reason] = p["skipped"].get(reason, 0) + 1  # older checkpoints lack "gated"
 
 
 def checkpoint_if_due(r: Run, first: bool) -> None:

@@ -1,7 +1,9 @@
 """Compare training runs by arm (replay strategy), seeds as the unit of replication.
 
 Usage: python eval.py --compare runs/repro/none-s0 runs/repro/aper-s0 ... --out-dir runs/cmp
-  (LABEL=RUN_DIR puts a run in arm LABEL, e.g. half=runs/x/aper-s0)
+  (LABEL=RUN_DIR puts a run in arm LABEL, e.g. half=runs/x/aper-s0; without one, a run's arm is
+  read from its config: its replay strategy and methods. Each run counts once; --overwrite
+  replaces an earlier comparison in --out-dir.)
 
 Primary, per run: the area, held-out accuracy averaged over the first `--budget` generated tokens.
 Per arm: its mean, the difference to the baseline, Welch's p, Holm's p over every arm, a verdict
@@ -21,13 +23,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from analysis.compare_io import (arm_versions, compare_table, load_run, positive_number,
-                                 run_arg, write)
+from analysis.compare_io import (arm_versions, compare_table, given_twice, load_run,
+                                 positive_number, run_arg, write)
 from analysis.pooling import incomparable
 from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, mean_known,
                             paired_ratio, welch_p)
 from support.locks import results_dir
-from support.util import OneLineParser, RunError
+from support.util import OneLineParser, RunError, file_fault, folder_fault
 
 
 def compute(generated: float, fwd_bwd: float, no_grad: float) -> float:
@@ -134,6 +136,10 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
     every finished run counts. The second target, below the plateau the baseline's own seeds
     cross only near their end: its mean initial accuracy plus `gain_fraction` of its mean gain
     (each row's `gain_target`)."""
+    filed = sorted({run["strategy"] for run in runs})
+    if baseline not in filed:  # (not "has no eval": no run is filed under that arm at all)
+        raise ValueError(f"no run is in the baseline arm {baseline!r} (--baseline names it); "
+                         f"the runs' arms: {', '.join(filed)}")
     base = [run for run in runs if run["strategy"] == baseline and run["final"] is not None]
     if not base:
         raise ValueError(f"no run of the baseline {baseline!r} has an eval (--baseline names it)")
@@ -243,24 +249,34 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                     "smallest total of the finished runs (default: of the baseline's runs)")
     ap.add_argument("--allow-mixed", action="store_true", help="pool the runs of an arm even "
                     "when their configs differ beyond the seed (see UNCOMPARED)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in "
+                    "--out-dir")
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
     try:
+        out_dir_checked(args.out_dir, args.overwrite)
         results_dir(Path(args.out_dir))  # never into a run's root: --resume would refuse the run
         if args.target is not None and not 0 <= args.target <= 1:  # (NaN is not)
             raise ValueError(f"--target must be an accuracy in [0, 1], got {args.target}")
         budget = args.budget
         if budget not in (None, "shortest"):
             budget = positive_number(budget)
+        labelled = [run_arg(arg) for arg in args.runs]
+        twice = given_twice([folder for _, folder in labelled])
+        if twice:
+            raise ValueError(twice)
         runs = []
-        for arg in args.runs:
-            label, folder = run_arg(arg)
-            runs.append(load_run(folder) | ({"strategy": label} if label else {}))
+        for label, folder in labelled:
+            run = load_run(folder) | {"labelled": label is not None}
+            if label:
+                run["strategy"] = label
+            runs.append(run)
         mixed = incomparable(runs, args.baseline)
         if mixed and not args.allow_mixed:
             raise ValueError(mixed)
         for run in runs:
             run.pop("config")
+            run.pop("labelled")
         if not 0 < args.gain_fraction <= 1:  # (NaN is not)
             raise ValueError(f"--gain-fraction must be in (0, 1], got {args.gain_fraction}")
         table, target, budget = compare_runs(runs, args.baseline, args.target, budget,
@@ -278,6 +294,19 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
             raise
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def out_dir_checked(out_dir: str, overwrite: bool) -> None:
+    """ValueError unless the comparison may write into `out_dir`: a folder it can make or write (an
+    empty path is not the current folder), whose compare.csv and compare.json it replaces only
+    with --overwrite (eval.py refuses to replace results the same way)."""
+    fault = folder_fault(out_dir)
+    if fault:
+        raise ValueError(f"--out-dir {out_dir!r} {fault}")
+    for name in ("compare.csv", "compare.json"):
+        fault = file_fault(str(Path(out_dir) / name), overwrite, makes_folder=True)
+        if fault:
+            raise ValueError(f"--out-dir {out_dir}: {name} {fault}")
 
 
 if __name__ == "__main__":

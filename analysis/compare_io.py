@@ -10,6 +10,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 from config import FIELDS as CONFIG_FIELDS
@@ -42,6 +43,19 @@ def run_arg(arg: str) -> tuple[str | None, str]:
     if not folder.strip() or (label is not None and not label.strip()):
         raise ValueError(f"{arg!r}: a run is [LABEL=]RUN_DIR, neither of them empty")
     return label, folder
+
+
+def given_twice(folders: list[str]) -> str | None:
+    """Why these run folders cannot be pooled (None: they can): one given twice, by the same or
+    another path (a link, a label), would count as two seeds of one run."""
+    seen = {}  # real path: the folder as given first
+    for folder in folders:
+        real = os.path.realpath(folder)
+        if real in seen:
+            also = f" (also as {seen[real]})" if seen[real] != folder else ""
+            return f"{folder} is given twice{also}: a run counts once, as one seed"
+        seen[real] = folder
+    return None
 
 
 def positive_number(text: str) -> float:

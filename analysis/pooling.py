@@ -34,7 +34,7 @@ def incomparable(runs: list[dict], baseline: str) -> str | None:
     if unchecked:
         return (f"{unchecked[0]}: no config.yaml, so what the run measured cannot be checked "
                 "against the others; --allow-mixed compares it anyway")
-    return mixed_configs(runs) or mixed_versions(runs) or unlike(runs, baseline)
+    return mixed_configs(runs, baseline) or mixed_versions(runs) or unlike(runs, baseline)
 
 
 def mixed_versions(runs: list[dict]) -> str | None:
@@ -75,10 +75,11 @@ def unlike(runs: list[dict], baseline: str) -> str | None:
     return None
 
 
-def mixed_configs(runs: list[dict]) -> str | None:
+def mixed_configs(runs: list[dict], baseline: str) -> str | None:
     """Why the runs of one arm are not seeds of one experiment (None: they are): two resolved
     configs of the arm differ in a key outside UNCOMPARED. Keys one of them lacks (older code)
-    are not compared."""
+    are not compared. The line says how the arm was named (LABEL=, or read from the configs) and
+    what each way out does (`pooled_advice`)."""
     first = {}
     for run in runs:
         base = first.setdefault(run["strategy"], run)
@@ -89,5 +90,23 @@ def mixed_configs(runs: list[dict]) -> str | None:
             shown = ", ".join(f"{k} ({a[k]!r:.20} vs {b[k]!r:.20})" for k in keys[:3])
             more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
             return (f"arm {run['strategy']!r} pools runs of different configs: {base['path']} and "
-                    f"{run['path']} differ in {shown}{more}; --allow-mixed pools them anyway")
+                    f"{run['path']} differ in {shown}{more}; {pooled_advice(base, run, baseline)}")
     return None
+
+
+def pooled_advice(base: dict, run: dict, baseline: str) -> str:
+    """What to do about two runs of one arm whose configs differ: a run given no LABEL= is filed
+    under the arm its config names (its replay strategy and methods), so a variant the arm's name
+    does not capture (another lr, loss) falls into that arm; a label makes it an arm of its own.
+    --allow-mixed pools it as one more seed: of the baseline, if that is the arm, which is rarely
+    meant."""
+    arm = run["strategy"]
+    named = f"both were labelled {arm!r}"
+    unlabelled = next((r for r in (run, base) if not r.get("labelled")), None)
+    if unlabelled is not None:
+        path = unlabelled["path"]
+        named = (f"the arm of {path} was read from its config (no LABEL= given); to compare it "
+                 f"as an arm of its own, label it (NAME={path})")
+    if arm == baseline:
+        return f"{named}; --allow-mixed would pool it into the baseline {arm!r} as one more seed"
+    return f"{named}; --allow-mixed pools them as seeds of one arm"

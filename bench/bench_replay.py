@@ -15,7 +15,6 @@ shared machine a second thread mostly waits for a busy core (that wait shows in 
 CPU time).
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -24,8 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from replay import ReplayConfig, make_replay
+from replay import STRATEGIES, ReplayConfig, make_replay
 from batch import Rollouts
+from bench import cli
 
 
 def fresh_batch(step: int, rows: int, group_size: int, length: int, g: torch.Generator) -> Rollouts:
@@ -55,8 +55,13 @@ def fresh_batch(step: int, rows: int, group_size: int, length: int, g: torch.Gen
     )  # fmt: skip
 
 
+def replay_config(strategy: str, args) -> ReplayConfig:
+    """The buffer's settings; aper's tau_max so large that no row ages out."""
+    return ReplayConfig(strategy=strategy, capacity=args.capacity, ratio=args.ratio, tau_max=10**9)
+
+
 def bench(strategy: str, args) -> None:
-    cfg = ReplayConfig(strategy=strategy, capacity=args.capacity, ratio=args.ratio, tau_max=10**9)
+    cfg = replay_config(strategy, args)
     buf = make_replay(cfg, max_len=args.length, pad_id=0, seed=0)
     g = torch.Generator().manual_seed(0)
     batches = [fresh_batch(0, args.rows, args.group_size, args.length, g) for _ in range(16)]
@@ -90,25 +95,36 @@ def bench(strategy: str, args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategies", default="uniform,aper",
+    p = cli.Parser(__file__, __doc__)
+    p.add_argument("--strategies", type=cli.names(list(STRATEGIES)), default="uniform,aper",
                    help="comma-separated strategies to time")
-    p.add_argument("--capacity", type=int, default=100_000)
-    p.add_argument("--rows", type=int, default=256, help="fresh rows per step")
-    p.add_argument("--group_size", type=int, default=16)
-    p.add_argument("--length", type=int, default=64, help="max_len; rows hold 48-64 tokens")
-    p.add_argument("--ratio", type=float, default=0.5)
-    p.add_argument("--steps", type=int, default=300, help="timed steps after the buffer is full")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--capacity", type=cli.positive_int, default=100_000)
+    p.add_argument("--rows", type=cli.positive_int, default=256, help="fresh rows per step")
+    p.add_argument("--group_size", type=cli.positive_int, default=16)
+    p.add_argument("--length", type=cli.positive_int, default=64,
+                   help="max_len; rows hold 16 prompt tokens, up to 48-64 in all")
+    p.add_argument("--ratio", type=float, default=0.5, help="replay.ratio (its strategy's domain)")
+    p.add_argument("--steps", type=cli.positive_int, default=300,
+                   help="timed steps after the buffer is full")
+    p.add_argument("--threads", type=cli.count, default=1,
                    help="torch threads (0 = torch's default); see the docstring")
-    p.add_argument("--budget", type=float, default=5.0, help="ms per step")
+    p.add_argument("--budget", type=cli.positive_float, default=5.0, help="ms per step")
     args = p.parse_args()
+    if args.rows % args.group_size:
+        p.error(f"--rows {args.rows} is not a multiple of --group_size {args.group_size}")
+    if args.length <= 16:
+        p.error(f"--length must be > 16 (the prompt's 16 tokens and a completion), got "
+                f"{args.length}")
+    for strategy in args.strategies:  # replay.py's own rules for each buffer's settings
+        for key, (ok, rule) in replay_config(strategy, args).check().items():
+            if not ok:
+                p.error(f"{strategy}: replay.{key} must be {rule}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"capacity {args.capacity}, {args.rows} fresh rows of ≤ {args.length} tokens, "
           f"ratio {args.ratio}, "
           f"{args.steps} steps, {torch.get_num_threads()} threads")  # fmt: skip
-    for strategy in args.strategies.split(","):
+    for strategy in args.strategies:
         bench(strategy, args)
 
 

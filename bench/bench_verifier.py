@@ -15,7 +15,6 @@ advises for LaTeX answers. The best of --repeat runs is reported for both. Witho
 rewards.py is timed.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from bench import cli
 from rewards import RewardConfig, score_batch
 
 
@@ -46,16 +46,19 @@ def time_math_verify(solutions, golds, repeat):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.Parser(__file__, __doc__)
     shared = Path(__file__).resolve().parents[2] / "shared" / "data"
     default = Path(os.environ.get("SHARED_DATA_DIR", shared))
     parser.add_argument("--data", type=Path, default=default,
                         help="shared data folder (holds benchmarks/)")
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--repeat", type=cli.positive_int, default=3,
                         help="timed runs per verifier and workload; best is kept")
     args = parser.parse_args()
+    data = args.data / "benchmarks" / "math500_test.jsonl"
+    if not data.is_file():
+        parser.error(f"--data {args.data}: no benchmarks/math500_test.jsonl in it")
 
-    lines = (args.data / "benchmarks" / "math500_test.jsonl").read_text().splitlines()
+    lines = data.read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     golds = [r["answer"] for r in rows]
     workloads = {"matched": [r["solution"] for r in rows],

@@ -19,13 +19,16 @@ imports train.py, and grpo.py imports nothing from config.py.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import io
 import re
 import sys
 import tokenize
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import cli
 
 READING_PATH = ["train.py", "grpo.py", "rollout.py", "replay.py"]
 # #48: the update's log-prob pass is read in grpo.py now (≈ 100 lines from support/logprobs.py)
@@ -37,7 +40,6 @@ README_BUDGET = 250
 OTHERS = ["batch.py", "metrics.py", "rewards.py", "eval.py"]  # shown without a budget
 MAX_CHARS = 100
 MAX_FUNCTION = 60
-ROOT = Path(__file__).resolve().parents[1]
 STATEMENT_KINDS = (ast.IfExp, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Tuple)
 NOQA = re.compile(r"#\s*noqa", re.IGNORECASE)
 FINDINGS = [("long_lines", f"lines over {MAX_CHARS} characters"),
@@ -182,11 +184,12 @@ def density(files: dict[str, dict]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--root", default=str(ROOT), help="the tree to measure (default: this repo)")
     ap.add_argument("--check", action="store_true", help="exit 1 if any target is missed")
     args = ap.parse_args(argv)
+    if not Path(args.root).is_dir():
+        ap.error(f"--root {args.root}: not a folder")
     missed = report(Path(args.root))
     return 1 if args.check and missed else 0
 

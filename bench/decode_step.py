@@ -3,13 +3,13 @@ with the HF engine, at a real model's shape (random weights):
 
   before     FSDP2 at world size 1, its forward hooks on during generation, HF's DynamicCache
   hooks_off  FSDP2 at world size 1 as `parallel.generation` runs it now (hooks off), HF's cache
-  after      hooks off and the KV cache written in place (support.logprobs._KVCache): today's path
+  after      hooks off and the KV cache written in place (support.kvcache._KVCache): today's path
   static     as after with rollout.static_cache: transformers' StaticCache, and on a GPU the
              decode step compiled (torch.compile, CUDA graphs); --compile-anywhere: compiled on
              this device too (transformers' compile config for every device), which proves the
              path a GPU takes on a CPU
   packed     as after with rollout.pack_gqa: a decode step's attention on the KV heads, K and V
-             never expanded per query head (support.logprobs.packed_gqa)
+             never expanded per query head (support.kvcache.packed_gqa)
   static_packed  static and packed together
   refill     as after with rollout.refill: support/decode.py's own loop (slots, a fixed-size
              cache, Gumbel-max draws, the host reading the device every rollout.sync_every steps)
@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import rollout
+from bench import cli
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig
 from support import parallel
@@ -199,29 +200,36 @@ def one(model, tok, prompts: list, new_tokens: int, arm: str, compute, count: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))
-    ap.add_argument("--layers", type=int, default=2, help="decoder layers (0: the model's all)")
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--rows", type=int, default=4)
-    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--layers", type=cli.count, default=2,
+                    help="decoder layers (0: the model's all)")
+    ap.add_argument("--vocab", type=cli.positive_int, default=151936)
+    ap.add_argument("--rows", type=cli.positive_int, default=4)
+    ap.add_argument("--prompt-tokens", type=cli.positive_int, default=16)
     ap.add_argument("--ragged", action="store_true",
                     help="prompts of 1/2 to all of --prompt-tokens (left padding: a mask, as in "
                     "training), not all of one length")
-    ap.add_argument("--tokens", default="16,96", help="T1,T2 new tokens")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--tokens", type=token_pair, default="16,96", help="T1,T2 new tokens")
+    ap.add_argument("--repeats", type=cli.positive_int, default=3)
+    ap.add_argument("--arms", type=cli.names(ARMS), default=",".join(ARMS))
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", type=cli.device, default="cpu")
+    ap.add_argument("--threads", type=cli.positive_int, default=2)
     ap.add_argument("--no-count", action="store_true", help="skip the op and hook counts")
     ap.add_argument("--compile-anywhere", action="store_true",
                     help="static: compile the decode step on this device too (a CPU)")
-    ap.add_argument("--json", default="", help="also write the figures here")
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     a = ap.parse_args(argv)
-    t1, t2 = map(int, a.tokens.split(","))
-    arms = a.arms.split(",")
+    ap.check_file("--json", a.json, a.overwrite)
+    if a.ragged and a.prompt_tokens < 2:
+        ap.error("--ragged needs --prompt-tokens ≥ 2 (a prompt of half of them is not empty)")
+    fault = cli.tokenizer_fault(a.vocab)
+    if fault:
+        ap.error(f"--vocab {a.vocab} {fault}")
+    t1, t2 = a.tokens
+    arms = a.arms
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     torch.set_num_threads(a.threads)
     store = tempfile.NamedTemporaryFile(prefix="decode_step_")
@@ -300,6 +308,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     dist.destroy_process_group()
     return 0
+
+
+def token_pair(text: str) -> tuple[int, int]:
+    """--tokens T1,T2: two lengths, 1 ≤ T1 < T2 (a step's time is their difference's share)."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"must be T1,T2, got {text!r}")
+    t1, t2 = map(cli.positive_int, parts)
+    if t1 >= t2:
+        raise argparse.ArgumentTypeError(f"must be T1,T2 with T1 < T2, got {text}")
+    return t1, t2
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ ids. Needs vLLM (requirements-vllm.txt)."""
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -25,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPO = Path(__file__).resolve().parents[1]
+from bench import cli
+
+MODELS = ("tiny", "qwen0.5b")
 
 
 def qwen05_folder(folder: Path) -> str:
@@ -101,21 +103,18 @@ def compare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--models", default="tiny,qwen0.5b", help="comma list of tiny, qwen0.5b")
-    ap.add_argument("--sequences", type=int, default=64, help="prompts × group size")
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = cli.Parser(__file__, __doc__)
+    ap.add_argument("--models", type=cli.names(MODELS), default=",".join(MODELS),
+                    help="comma list of tiny, qwen0.5b")
+    ap.add_argument("--sequences", type=cli.positive_int, default=64, help="prompts × group size")
+    ap.add_argument("--group-size", type=cli.positive_int, default=8)
+    ap.add_argument("--new-tokens", type=cli.positive_int, default=64)
+    ap.add_argument("--repeats", type=cli.positive_int, default=1)
+    ap.add_argument("--threads", type=cli.positive_int, default=2)
     a = ap.parse_args(argv)
-    from support import vllm as vllm_engine
-
-    if not vllm_engine.available():
-        print("engine_compare: vLLM is not installed (pip install -r requirements-vllm.txt)")
-        return 2
+    if a.sequences % a.group_size:
+        ap.error(f"--sequences {a.sequences} is not a multiple of --group-size {a.group_size}")
+    ap.need("vllm", install="pip install -r requirements-vllm.txt")
     from data.build_tiny_model import build_tokenizer
 
     torch.set_num_threads(a.threads)
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens, float32, {a.threads} threads, cpu"
     )
     print("| model | hf tokens/s | vllm tokens/s | vllm / hf |\n|---|---:|---:|---:|")
-    for name in a.models.split(","):
+    for name in a.models:
         r = compare(
             paths[name], prompts, a.group_size, a.new_tokens, torch.device("cpu"), repeats=a.repeats
         )

@@ -14,27 +14,34 @@ shortest `none` run's generated tokens, as analysis/compare.py's does.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis.compare import area, load_run
+from bench import cli
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("folder", type=Path)
-    ap.add_argument("--every", type=int, default=10, help="the coarser eval spacing, in steps")
-    ap.add_argument("--budget", type=float, default=None, help="generated tokens (default: none's)")
+    ap.add_argument("--every", type=cli.positive_int, default=10,
+                    help="the coarser eval spacing, in steps")
+    ap.add_argument("--budget", type=cli.positive_float, default=None,
+                    help="generated tokens (default: none's)")
     a = ap.parse_args()
+    if not a.folder.is_dir():
+        ap.error(f"{a.folder}: not a folder")
     finished = sorted(p.parent for p in a.folder.glob("*-s*/summary.json"))
-    runs = [load_run(p) for p in finished]
+    try:
+        runs = [load_run(p) for p in finished]
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     fine = [run for run in runs if [c[0] for c in run["curve"][:2]] == [0, 5]]
     base = [run["tokens"] for run in runs if run["strategy"] == "none"]
     if not fine or (a.budget is None and not base):
-        sys.exit("eval_spacing.py: no finished run evaluated every 5 steps (and a none run)")
+        ap.error(f"{a.folder}: no finished run evaluated every 5 steps (and a none run)")
     budget = a.budget or min(base)
     print(f"area to {budget:,.0f} tokens; every 5 steps against every {a.every}")
     arms = {}

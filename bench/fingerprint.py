@@ -25,6 +25,9 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import cli
+
 SHORT = ["--max_steps=3", "--eval.n=16", "--eval.every=2", "--checkpoint.every=0", "--threads=1",
          "--wandb.mode=disabled"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -100,14 +103,17 @@ def _has_vllm() -> bool:
 
 def main(argv: list[str]) -> int:
     known = cases()
-    if "--list" in argv:
+    ap = cli.Parser(__file__, __doc__)
+    ap.add_argument("cases", nargs="*", help="the cases to run (default: every case)")
+    ap.add_argument("--list", action="store_true", help="name every case")
+    a = ap.parse_args(argv)
+    if a.list:
         print("\n".join(known))
         return 0
-    unknown = [a for a in argv if a not in known]
+    unknown = [name for name in a.cases if name not in known]
     if unknown:
-        print(f"error: unknown case {unknown[0]} (--list names them)", file=sys.stderr)
-        return 2
-    for name in argv or known:
+        ap.error(f"unknown case {unknown[0]} (--list names them)")
+    for name in a.cases or known:
         print(run(name, *known[name]), flush=True)
     return 0
 

@@ -3,7 +3,7 @@
 at a Qwen2.5-like shape (random weights, FSDP2 at world size 1, bf16 weights, one thread):
 
   before  FSDP's forward hooks on during generation, HF's DynamicCache
-  after   hooks off, the KV cache written in place (support.logprobs.kv_cache): today's path
+  after   hooks off, the KV cache written in place (support.kvcache.kv_cache): today's path
 
   python bench/generation_memory.py                     # 8 rows, prompts of 64, 64 new tokens
   python bench/generation_memory.py --new-tokens 640    # the peak moves to the last decode step
@@ -21,7 +21,6 @@ generation term.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -39,11 +38,12 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rollout
+from bench import cli
 from bench.decode_step import SHAPES, generating_as, qwen_like, random_prompts, shard
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig
 from support import parallel
-from support.logprobs import cache_kwarg
+from support.kvcache import cache_kwarg
 from support.parallel import hf_module
 
 ARMS = ("before", "after")
@@ -220,21 +220,28 @@ def report(peaks: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap = cli.Parser(__file__, __doc__)
+    ap.add_argument("--arms", type=cli.names(ARMS), default=",".join(ARMS))
     ap.add_argument("--shape", default="1.5b", choices=list(SHAPES))
-    ap.add_argument("--layers", type=int, default=2, help="decoder layers (0: the model's all)")
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--layers", type=cli.count, default=2,
+                    help="decoder layers (0: the model's all)")
+    ap.add_argument("--vocab", type=cli.positive_int, default=4096)
+    ap.add_argument("--rows", type=cli.positive_int, default=8)
+    ap.add_argument("--prompt-tokens", type=cli.positive_int, default=64)
+    ap.add_argument("--new-tokens", type=cli.positive_int, default=64)
     ap.add_argument("--ragged", action="store_true",
                     help="prompts of 1/2 to all of --prompt-tokens (left padding: a mask)")
-    ap.add_argument("--json", default="", help="also write the figures here")
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     a = ap.parse_args(argv)
+    ap.check_file("--json", a.json, a.overwrite)
+    if a.ragged and a.prompt_tokens < 2:
+        ap.error("--ragged needs --prompt-tokens ≥ 2 (a prompt of half of them is not empty)")
+    fault = cli.tokenizer_fault(a.vocab)
+    if fault:
+        ap.error(f"--vocab {a.vocab} {fault}")
     torch.set_num_threads(1)
-    result = measure(tuple(a.arms.split(",")), a.shape, a.layers, a.vocab, a.rows,
+    result = measure(tuple(a.arms), a.shape, a.layers, a.vocab, a.rows,
                      a.prompt_tokens, a.new_tokens, a.ragged)
     print(f"Qwen2.5-{a.shape}-like, {a.layers} layers, vocabulary {a.vocab}, {a.rows} rows, "
           f"prompts of {a.prompt_tokens}, {a.new_tokens} new tokens, torch {torch.__version__}, "
@@ -242,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     report(result["peaks"])
     print(f"same tokens in every arm: {result['same_tokens']}")
     if a.json:
-        out = {"args": vars(a), "torch": torch.__version__,
+        args = vars(a) | {"arms": ",".join(a.arms)}  # (as before --overwrite: the text given)
+        args.pop("overwrite")
+        out = {"args": args, "torch": torch.__version__,
                "transformers": transformers.__version__, "same_tokens": result["same_tokens"],
                "peaks": {arm: asdict(p) for arm, p in result["peaks"].items()}}
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -40,32 +40,35 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from bench import cli
 
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "A10": 125,
                "L4": 121, "4090": 165}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--model.path", dest="path", help="a local model folder (default: random)")
     ap.add_argument("--shape", default="Qwen/Qwen2.5-0.5B",
                     help="a key of bench/memory_plan.SHAPES")
-    ap.add_argument("--vocab", type=int, default=0, help="the random model's (0: the shape's)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=512, help="length of the random prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
-    ap.add_argument("--peak-tflops", type=float,
+    ap.add_argument("--vocab", type=cli.count, default=0,
+                    help="the random model's (0: the shape's)")
+    ap.add_argument("--prompts", type=cli.positive_int, default=8)
+    ap.add_argument("--group-size", type=cli.positive_int, default=8)
+    ap.add_argument("--prompt-tokens", type=cli.positive_int, default=512,
+                    help="length of the random prompts")
+    ap.add_argument("--max-new-tokens", type=cli.positive_int, default=1024)
+    ap.add_argument("--peak-tflops", type=cli.positive_float,
                     help="the GPU's dense bf16 peak (default: by its name)")
     ap.add_argument("--max-gap-mean", type=float, default=0.02,
                     help="largest mean |behaviour − trainer| log-prob of fresh tokens")
     ap.add_argument("--max-grad-norm-diff", type=float, default=0.01,
                     help="largest relative difference of the gradient norm from the reference's")
-    ap.add_argument("--lora", type=int, default=0,
+    ap.add_argument("--lora", type=cli.count, default=0,
                     help="adapters of this rank on a frozen bf16 base "
                          "(one process, no FSDP; (e) then checks no reference gradient norm)")
     ap.add_argument("--json", help="also write every figure measured to this JSON file")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     ap.add_argument("--skip-torchrun", action="store_true", help="leave out check (a)")
     ap.add_argument("--fast-decode", action="store_true",
                     help="generate with rollout.static_cache and rollout.pack_gqa (the compiled, "
@@ -74,7 +77,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true",
                     help="profile one more warm update: its top ops and the output layer's share")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU tests
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    ap.check_file("--json", a.json, a.overwrite)
+    if a.path and not (Path(a.path) / "config.json").is_file():
+        ap.error(f"--model.path {a.path}: not a model folder (no config.json)")
+    from memory_plan import SHAPES
+
+    if not a.path and a.shape not in (*SHAPES, "dry"):
+        ap.error(f"--shape {a.shape!r}: not a shape of bench/memory_plan.SHAPES "
+                 f"({', '.join(SHAPES)}) or dry")
+    if a.vocab:  # (0: the shape's own)
+        fault = cli.tokenizer_fault(a.vocab)
+        if fault:
+            ap.error(f"--vocab {a.vocab} {fault}")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:

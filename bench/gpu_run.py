@@ -480,11 +480,14 @@ def main(argv: list[str] | None = None) -> int:
     report = folders(a)
     report.say(f"gpu_run: writing {report.json} and {report.log}")
     t0 = time.time()
+    spent = 0.0  # seconds the steps before took: the first step has the whole budget (≥ MIN_CAP)
     for name in a.steps:
-        left = a.budget - (time.time() - t0)
+        left = a.budget - spent
         cap = min(CAPS[name], left)
         if cap < MIN_CAP:
-            report.step(name, {"status": "not run", "why": f"{left:.0f} s of the budget left"})
+            why = f"{left:.0f} s of the budget left, under the {MIN_CAP} s a step needs"
+            report.say(f"== {name}: not run ({why})")
+            report.step(name, {"status": "not run", "why": why})
             continue
         s0 = time.time()
         try:
@@ -492,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one step's failure is its result; the next steps still run
             result = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         result["step_seconds"] = time.time() - s0
+        spent = time.time() - t0
         report.say(f"== {name}: {result['status']} in {result['step_seconds']:.0f} s")
         report.step(name, result)
     statuses = {n: s["status"] for n, s in report.data["steps"].items()}

@@ -5,12 +5,13 @@ then be recomputed from the repository, and extended by seeds run later on the s
 
 For each run folder it writes OUT/<name>/: config.yaml and summary.json as they are, and
 metrics.jsonl cut to its eval rows (and the last row) with the keys analysis/compare_io.py reads.
-A run without summary.json (unfinished) is refused.
+A run without summary.json (unfinished) is refused. A kept run is never replaced without
+--overwrite (OUT may hold committed runs of the same name), and two runs of one name are refused:
+they would be kept in one folder. Every run is read before anything is written.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -18,37 +19,66 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from analysis.compare_io import NUMBERS  # the keys the comparison reads
+from analysis.compare_io import NUMBERS, read_run  # the keys the comparison reads
+from bench import cli
 
 KEPT = {"step", *NUMBERS}
+FILES = ("config.yaml", "summary.json", "metrics.jsonl")
 
 
-def keep(run: Path, out: Path) -> int:
-    """Write the kept files of `run` into `out`; returns the metrics rows kept."""
-    if not (run / "summary.json").is_file():
-        raise SystemExit(f"error: {run} is not finished (no summary.json)")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.yaml", "summary.json"):
-        shutil.copyfile(run / name, out / name)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def kept_rows(run: Path) -> list[dict]:
+    """The rows of `run`'s metrics.jsonl that are kept: its eval rows and its last, each cut to
+    KEPT; ValueError or OSError naming the file when the run is not a finished, readable one."""
+    for name in FILES:
+        if not (run / name).is_file():
+            raise ValueError(f"{run} is not a finished run (no {name})")
+    _, _, rows = read_run(run)  # every field the comparison reads, checked
     kept = []
     for i, row in enumerate(rows):
         if "eval/accuracy" in row or i == len(rows) - 1:
             kept.append({k: v for k, v in row.items() if k in KEPT})
-    lines = [json.dumps(row) for row in kept]
+    return kept
+
+
+def keep(run: Path, rows: list[dict], out: Path) -> None:
+    """Write the kept files of `run` into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", "summary.json"):
+        shutil.copyfile(run / name, out / name)
+    lines = [json.dumps(row) for row in rows]
     (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return len(kept)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
-    for run in a.runs:
-        n = keep(run, a.out / run.name)
-        print(f"{run} -> {a.out / run.name} ({n} rows)")
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.Parser(__file__, __doc__)
+    ap.add_argument("runs", nargs="+", help="finished run folders")
+    ap.add_argument("--out", required=True, help="the folder of kept runs")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace kept runs of the same names in --out")
+    a = ap.parse_args(argv)
+    ap.check_folder("--out", a.out)
+    out = Path(a.out)
+    targets = {}  # OUT/<name>: the run kept there
+    for arg in a.runs:
+        run = Path(arg)
+        target = out / run.resolve().name  # ("." names its folder, not OUT itself)
+        if target in targets:
+            ap.error(f"{targets[target]} and {run} are both named {target.name}: both would be "
+                     f"kept in {target}")
+        if target.resolve() == run.resolve():
+            ap.error(f"{run} is already kept in {out}: it would be cut in place")
+        for name in FILES:
+            ap.check_file("--out", str(target / name), a.overwrite, makes_folder=True)
+        targets[target] = run
+    rows = {}
+    for target, run in targets.items():
+        try:
+            rows[target] = kept_rows(run)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
+    for target, run in targets.items():
+        keep(run, rows[target], target)
+        print(f"{run} -> {target} ({len(rows[target])} rows)")
 
 
 if __name__ == "__main__":

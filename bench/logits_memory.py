@@ -15,7 +15,6 @@ of logits (support.logprobs.HEAD_CHUNK) and the decoder layers' activations.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import cli
 from support.logprobs import completion_logprobs
 
 
@@ -36,13 +36,15 @@ def status(key: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (the rest: completion)")
+    ap = cli.Parser(__file__, __doc__)
+    ap.add_argument("--tokens", type=cli.positive_int, default=4096)
+    ap.add_argument("--vocab", type=cli.positive_int, default=151936)
+    ap.add_argument("--layers", type=cli.positive_int, default=1)
+    ap.add_argument("--prompt", type=cli.positive_int, default=16,
+                    help="prompt tokens (the rest: completion)")
     a = ap.parse_args(argv)
+    if a.prompt >= a.tokens:
+        ap.error(f"--prompt {a.prompt} leaves no completion in --tokens {a.tokens}")
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.set_num_threads(2)

@@ -2,9 +2,10 @@
 by step.
 
 Usage:
-  python bench/memory_growth.py  # 1,000 steps, writes bench/results/memory_growth.{csv,png}
-  python bench/memory_growth.py --steps 300 --warmup 50 -- --model.path=/tmp/model \
-      --replay.strategy=aper
+  python bench/memory_growth.py --overwrite  # 1,000 steps, replaces the committed record,
+                                             # bench/results/memory_growth.{csv,png}
+  python bench/memory_growth.py --steps 300 --warmup 50 --out /tmp/growth -- \
+      --model.path=/tmp/model --replay.strategy=aper
 
 train.py runs in a child process exactly as a user would start it (one thread, wandb off,
 checkpoints every 100 steps, uniform replay so the buffer is exercised); this script reads the
@@ -19,7 +20,6 @@ counted.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import shutil
@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench import cli
+
 SMALL = [  # the tiny task at a quarter of the default batch: ~0.5 s per step on one CPU thread
     "--rollout.batch_size=32", "--rollout.group_size=4", "--eval.every=0", "--eval.n=10",
     "--checkpoint.every=100",
@@ -57,16 +60,22 @@ def steps_done(metrics: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--warmup", type=int, default=100,
+    ap = cli.Parser(__file__, __doc__)
+    ap.add_argument("--steps", type=cli.positive_int, default=1000)
+    ap.add_argument("--warmup", type=cli.count, default=100,
                     help="step after which memory should stop growing")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "memory_growth"),
                     help="writes OUT.csv and OUT.png")
+    ap.add_argument("--overwrite", action="store_true", help="replace OUT.csv and OUT.png")
     ap.add_argument("overrides", nargs="*", help="extra train.py overrides, after --")
     a = ap.parse_args()
+    if a.warmup >= a.steps:
+        ap.error(f"--warmup {a.warmup} leaves no step of --steps {a.steps} to measure")
+    for suffix in (".csv", ".png"):
+        ap.check_file("--out", str(Path(a.out).with_suffix(suffix)), a.overwrite,
+                      makes_folder=True)
+    ap.check_config(str(REPO / a.config), [*SMALL, f"--max_steps={a.steps}", *a.overrides])
 
     run_dir = Path(tempfile.mkdtemp(prefix="memory_growth_"))
     cmd = [sys.executable, str(REPO / "train.py"), "--config", a.config, *SMALL,

@@ -33,7 +33,7 @@ under fsdp):
                states, the rotary tables), and a decoding step, the whole KV cache
                gen_batch·T·L·2·n_kv·d·2 beside the float32 copy of the output layer (4·V·H,
                when a = 2) and the sampler's five float32 (gen_batch, V) tensors. (The cache
-               takes its full length at the first decoding step: support.logprobs._KVCache.)
+               takes its full length at the first decoding step: support.kvcache._KVCache.)
   optim. step  4·P of temporaries in AdamW's foreach update (/N under fsdp)
 LoRA (model.lora.rank r > 0; P_A = r · Σ (fan-in + fan-out) over the linear layers of every block):
   weights a·P (the frozen base, in the compute dtype) + 4·P_A; gradients 4·P_A; optimizer 8·P_A;
@@ -308,12 +308,15 @@ def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from bench import cli  # (here: gpu_check and the tests import this module for its tables)
+
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--measure", action="store_true",
                     help="run the CPU measurement instead of printing the table")
-    ap.add_argument("--steps", type=int, default=2, help="2: AdamW's state exists from step 2 on")
-    ap.add_argument("--lora", type=int, default=0, help="--measure with LoRA adapters of this rank")
+    ap.add_argument("--steps", type=cli.positive_int, default=2,
+                    help="2: AdamW's state exists from step 2 on")
+    ap.add_argument("--lora", type=cli.count, default=0,
+                    help="--measure with LoRA adapters of this rank")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:

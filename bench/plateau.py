@@ -14,12 +14,13 @@ within one of its SE, 1 when they are not, 2 on bad input.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis.compare import common_grid, load_run, seed_mean_curve
+from analysis.compare_io import given_twice
+from bench import cli
 
 
 def verdict(spread: float, se: float, flat: str, moving: str) -> str:
@@ -58,13 +59,14 @@ def main(paths: list[Path]) -> int:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="run folders of one arm")
+    ap = cli.Parser(__file__, __doc__)
+    ap.add_argument("runs", nargs="+", help="run folders of one arm")
     args = ap.parse_args()
+    twice = given_twice(args.runs)  # the seed mean counts each run once
+    if twice:
+        ap.error(twice)
     try:
-        code = main(args.runs)
+        code = main([Path(run) for run in args.runs])
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        ap.error(str(e))
     sys.exit(code)

@@ -18,15 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    import matplotlib
-except ImportError:
-    sys.exit("error: bench/plot_compare.py needs matplotlib: pip install -r bench/requirements.txt")
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis.stats import t_quantile
+from bench import cli
 
 
 def seed_curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
@@ -45,6 +39,8 @@ def seed_curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
 
 def colours(n: int) -> list:
     """n distinct colours: tab10 up to 10 arms, tab20 up to 20, then a continuous map."""
+    import matplotlib.pyplot as plt
+
     if n <= 10:
         return [plt.get_cmap("tab10")(i) for i in range(n)]
     if n <= 20:
@@ -56,6 +52,11 @@ def plot(compare: dict, path: str) -> None:
     """Left: each arm's seed-mean accuracy against generated tokens with its 95 % band, the area's
     budget and both targets labelled with their values. Right: each arm's area (mean accuracy
     over the budget) with its 95 % interval, the baseline's as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # (no display: a file)
+    import matplotlib.pyplot as plt
+
     arms = compare["strategies"]  # the baseline first, as the table
     colour = dict(zip([a["strategy"] for a in arms], colours(len(arms))))
     fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=[2.2, 1])
@@ -106,9 +107,22 @@ def area_panel(ax, arms: list[dict], colour: dict) -> None:
     ax.set(xlabel="area: mean accuracy over the budget (%)", title="area, 95 % interval")
 
 
+def main() -> None:
+    ap = cli.Parser(__file__, __doc__)
+    ap.add_argument("compare_json", help="a comparison's compare.json (eval.py --compare)")
+    ap.add_argument("out_png", help="the figure")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing figure")
+    a = ap.parse_args()
+    ap.need("matplotlib")
+    ap.check_file("out_png", a.out_png, a.overwrite)
+    try:
+        with open(a.compare_json) as f:
+            compare = json.load(f)
+    except (OSError, ValueError) as e:
+        ap.error(f"{a.compare_json}: {e}")
+    plot(compare, a.out_png)
+    print(f"wrote {a.out_png}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python bench/plot_compare.py COMPARE_JSON OUT_PNG")
-    with open(sys.argv[1]) as f:
-        plot(json.load(f), sys.argv[2])
-    print(f"wrote {sys.argv[2]}")
+    main()

@@ -14,7 +14,6 @@ over the whole run. The target is ≤ 1% of step time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,15 +23,21 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench import cli
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--config", default="configs/tiny/aper.yaml")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", default="", help="run folder (default: a temporary one)")
+    ap.add_argument("--steps", type=cli.positive_int, default=20)
+    ap.add_argument("--out", help="the run goes in OUT/run (default: a temporary folder)")
+    ap.add_argument("--overwrite", action="store_true", help="replace OUT/run")
     a, overrides = ap.parse_known_args()
+    ap.check_folder("--out", a.out)
+    if a.out and (Path(a.out) / "run").exists() and not a.overwrite:
+        ap.error(f"--out {a.out} holds a run already; pass --overwrite to replace it")
+    ap.check_config(str(REPO / a.config), overrides)
     out = Path(a.out or tempfile.mkdtemp(prefix="profile_step_")) / "run"
     cmd = [sys.executable, "train.py", "--config", a.config, *overrides, f"--out_dir={out}",
            f"--max_steps={a.steps}",

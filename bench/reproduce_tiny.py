@@ -18,13 +18,13 @@ behaviour log-probs (as RLEP collects them from a finished run; eval.py --save-c
 .meta.json gives the tokens phase I generated); then every arm seed by seed (seed 0 of each arm,
 then seed 1, ...), so a reproduction stopped part-way has as many seeds of every arm. A run
 already finished (summary.json present) is kept, so an interrupted reproduction can simply be
-started again; an unfinished one resumes from its newest checkpoint (--resume: bit-identical to an uninterrupted run),
-or is started over (--overwrite) if it saved none.
+started again; an unfinished one resumes from its newest checkpoint (--resume: bit-identical to
+an uninterrupted run), or is started over (--overwrite) if it saved none. The comparison and its
+plot in <out>/compare are the reproduction's own: a reproduction started again replaces them.
 """
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench import cli
 from config import load_config
 from replay import STRATEGIES
 
@@ -85,16 +86,15 @@ def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--configs", default="configs/tiny",
                     help="folder with one <name>.yaml per arm")
     ap.add_argument("--out", default=None,
                     help="where the runs go (default runs/repro, runs/repro_<folder suffix>)")
     ap.add_argument("--names", nargs="+", default=None,
                     help="arms to run (default: every config in --configs)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
-    ap.add_argument("--jobs", type=int, default=2,
+    ap.add_argument("--seeds", type=cli.count, nargs="+", default=list(range(10)))
+    ap.add_argument("--jobs", type=cli.positive_int, default=2,
                     help="training processes at once (each uses one thread)")
     # anything else is passed to train.py as an override
     a, extra = ap.parse_known_args()
@@ -102,11 +102,16 @@ def main() -> None:
     available = arms(configs)
     names = a.names or available
     if not names or set(names) - set(available):
-        sys.exit(f"error: no {configs}/<name>.yaml for "
+        ap.error(f"no {configs}/<name>.yaml for "
                  f"{sorted(set(names) - set(available)) or 'any arm'}; "
                  f"available: {', '.join(available) or 'none'}")
     if "none" not in names:
-        sys.exit("error: the comparison needs its baseline: include none")
+        ap.error("the comparison needs its baseline: include none")
+    if len(set(a.seeds)) < len(a.seeds):
+        ap.error(f"--seeds names a seed twice: {' '.join(map(str, a.seeds))}")
+    ap.check_folder("--out", a.out)
+    for name in names:  # every arm's config with the overrides, before the first run
+        ap.check_config(str(configs / f"{name}.yaml"), extra)
     out = (REPO / (a.out or "runs/repro" + configs.name.removeprefix("tiny"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -123,7 +128,8 @@ def main() -> None:
                       jobs))
     print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
     runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
-    compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest"]
+    compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest",
+               "--overwrite"]  # (its own comparison: a reproduction started again replaces it)
     subprocess.run([*compare, "--out-dir", str(out / "compare")], cwd=REPO, check=True)
     try:
         import matplotlib  # noqa: F401
@@ -131,7 +137,7 @@ def main() -> None:
         print("matplotlib is not installed (pip install -r bench/requirements.txt): no plot")
         return
     subprocess.run([sys.executable, "bench/plot_compare.py", str(out / "compare" / "compare.json"),
-                    str(out / "compare" / "compare.png")], cwd=REPO, check=True)
+                    str(out / "compare" / "compare.png"), "--overwrite"], cwd=REPO, check=True)
 
 
 if __name__ == "__main__":

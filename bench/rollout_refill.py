@@ -28,7 +28,6 @@ differ by chance, so the per-token figures are the comparison.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import statistics
@@ -42,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import rollout
+from bench import cli
 from bench.decode_step import SHAPES, CountOps, compiled_everywhere, qwen_like, random_prompts, sync
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig
@@ -87,31 +87,43 @@ def static_anywhere(eager_cache, model, length: int, static: bool = False) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))
-    ap.add_argument("--layers", type=int, default=2, help="decoder layers (0: the model's all)")
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--rows", type=int, default=64, help="rows a rollout (prompts × group)")
-    ap.add_argument("--group", type=int, default=8, help="rows per prompt")
-    ap.add_argument("--slots", type=int, default=16, help="rollout.gen_batch_size of both arms")
-    ap.add_argument("--sync-every", type=int, default=8, help="rollout.sync_every (refill)")
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--max-new", type=int, default=192)
-    ap.add_argument("--mean-len", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=cli.count, default=2,
+                    help="decoder layers (0: the model's all)")
+    ap.add_argument("--vocab", type=cli.positive_int, default=4096)
+    ap.add_argument("--rows", type=cli.positive_int, default=64,
+                    help="rows a rollout (prompts × group)")
+    ap.add_argument("--group", type=cli.positive_int, default=8, help="rows per prompt")
+    ap.add_argument("--slots", type=cli.positive_int, default=16,
+                    help="rollout.gen_batch_size of both arms")
+    ap.add_argument("--sync-every", type=cli.positive_int, default=8,
+                    help="rollout.sync_every (refill)")
+    ap.add_argument("--prompt-tokens", type=cli.positive_int, default=32)
+    ap.add_argument("--max-new", type=cli.positive_int, default=192)
+    ap.add_argument("--mean-len", type=cli.positive_int, default=48)
+    ap.add_argument("--repeats", type=cli.positive_int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default="", help="also write the figures here")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--device", type=cli.device, default="cpu")
+    ap.add_argument("--threads", type=cli.positive_int, default=2)
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+    ap.add_argument("--arms", type=cli.names(ARMS), default=",".join(ARMS))
     ap.add_argument("--no-count", action="store_true", help="skip the host sync counts")
     ap.add_argument("--same-length", action="store_true", help="every prompt --prompt-tokens long "
                     "(default: 1/2 to all of it): HF's static arm then compiles for one shape")
     ap.add_argument("--compile-anywhere", action="store_true",
                     help="the static arms compile on this device too (a CPU's dry run)")
     a = ap.parse_args(argv)
-    arms = a.arms.split(",")
+    ap.check_file("--json", a.json, a.overwrite)
+    if a.rows % a.group:
+        ap.error(f"--rows {a.rows} is not a multiple of --group {a.group} (whole prompts)")
+    if not a.same_length and a.prompt_tokens < 2:
+        ap.error("--prompt-tokens must be ≥ 2 unless --same-length (prompts of half of them)")
+    fault = cli.tokenizer_fault(a.vocab)
+    if fault:
+        ap.error(f"--vocab {a.vocab} {fault}")
+    arms = a.arms
     torch.set_num_threads(a.threads)
     if a.compile_anywhere:  # the static arms compile on this device too
         eager_cache = rollout.kv_cache

@@ -16,7 +16,6 @@ every method off).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from collections import defaultdict
@@ -24,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench import cli
+
 SHORT = ["--max_steps=3", "--eval.every=0", "--eval.n=16", "--checkpoint.every=0",
          "--wandb.mode=disabled", "--threads=1"]
 
@@ -76,15 +77,16 @@ def methods_entered(entered: dict[str, set]) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--config", default="configs/tiny.yaml")
-    ap.add_argument("--max", type=int, default=4, help="support/ modules allowed in one step")
-    ap.add_argument("--max-methods", type=int, default=0,
+    ap.add_argument("--max", type=cli.count, default=5, help="support/ modules allowed in one step")
+    ap.add_argument("--max-methods", type=cli.count, default=0,
                     help="functions of methods/ allowed in one step")
     ap.add_argument("overrides", nargs="*", help="config overrides for train.py (after --)")
     a = ap.parse_args()
-    entered = trace(a.config, a.overrides)
+    config = str(REPO / a.config)  # (from any folder, as the other bench scripts)
+    ap.check_config(config, [*SHORT, *a.overrides])
+    entered = trace(config, a.overrides)
     support = support_modules(entered)
     others = sorted(m for m in entered if m not in support)
     for module in support + others:

@@ -27,7 +27,6 @@ Round r uses seed + r on both sides.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -40,6 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
+from bench import cli
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": str(REPO)}
@@ -190,27 +191,39 @@ def main() -> None:
             i = rest.index("--config")
             config, rest = rest[i + 1], rest[:i] + rest[i + 2 :]
         return trl_worker(sys.argv[2], config, rest)
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--config", default="configs/tiny.yaml")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=2,
+    ap.add_argument("--steps", type=cli.positive_int, default=30)
+    ap.add_argument("--rounds", type=cli.positive_int, default=2,
                     help="each round runs both sides; the order alternates (ABBA...)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="", help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--seed", type=cli.count, default=0)
+    ap.add_argument("--out", help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--overwrite", action="store_true", help="replace runs kept in --out before")
     ap.add_argument("--before", default="", help="another checkout (e.g. `git worktree add "
                     "/tmp/before REV`): its train.py runs as a third side, `before`, in each round")
     ap.add_argument("--variant", default="", help="overrides (e.g. '--rollout.refill=true') of a "
                     "side `variant`: train.py with them, in each round")
     a, overrides = ap.parse_known_args()
-    overrides += [f"--threads={os.environ.get('BENCH_THREADS', '1')}"]
-    root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="trl_compare_"))
-    root.mkdir(parents=True, exist_ok=True)
+    ap.need("trl", "datasets")  # TRL's side: found missing now, not after our side has run
+    ap.check_config(str(REPO / a.config), overrides)  # both sides read it
+    ap.check_config(str(REPO / a.config), overrides + a.variant.split())
+    if a.before and not (Path(a.before) / "train.py").is_file():
+        ap.error(f"--before {a.before}: not a checkout (no train.py)")
+    ap.check_folder("--out", a.out)
     sides = ["ours", "trl"]
     if a.before:
         sides.append("before")
     if a.variant:
         sides.append("variant")
+    kept = []  # runs of an earlier comparison in --out, which train.py would replace
+    if a.out:
+        kept = [f"{side}_{r}" for r in range(a.rounds) for side in sides
+                if (Path(a.out) / f"{side}_{r}").exists()]
+    if kept and not a.overwrite:
+        ap.error(f"--out {a.out} holds {kept[0]} already; pass --overwrite to replace it")
+    overrides += [f"--threads={os.environ.get('BENCH_THREADS', '1')}"]
+    root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="trl_compare_"))
+    root.mkdir(parents=True, exist_ok=True)
     results = {side: [] for side in sides}
     for r in range(a.rounds):
         order = sides if r % 2 == 0 else sides[::-1]  # ABC CBA ...

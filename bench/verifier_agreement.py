@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import rewards
+from bench import cli
 
 
 def math_verify(gold, pred, digits, set_relation):
@@ -49,6 +50,9 @@ def report(name, cases):
 
 
 def main():
+    ap = cli.Parser(__file__, __doc__)
+    ap.parse_args()
+    ap.need("math_verify")
     import logging
     logging.disable(logging.WARNING)  # math-verify warns on every timeout-free call
     from test_rewards import KINDS
@@ -65,8 +69,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        import math_verify
-    except ImportError:
-        sys.exit("error: this benchmark needs math-verify: pip install -r bench/requirements.txt")
     main()

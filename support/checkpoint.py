@@ -226,11 +226,12 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
 
 
 def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict,
-            extra: dict | None = None) -> str:
-    """Optimizer, buffer, RNG streams and `progress` (in place) from `ck` (weights: loaded already).
-    Saved by another number of processes: the buffers are merged and re-split, and the RNG streams
-    restart from (seed, rank, step): the same state, sampled from differently. Returns the note
-    train.py prints once set-up has succeeded."""
+            extra: dict | None = None) -> tuple[str, dict]:
+    """Optimizer, buffer, RNG streams and the methods in `extra` from `ck` (weights: loaded
+    already); `progress` (the new run's) is read, not written. Saved by another number of
+    processes: the buffers are merged and re-split, and the RNG streams restart from (seed, rank,
+    step): the same state, sampled from differently. Returns the note train.py prints once set-up
+    has succeeded, and the saved progress for train.py to take."""
     rank, world = rank_and_world()
     saved = state["run"]["config"]
     step = state["run"]["step"]
@@ -267,8 +268,8 @@ def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed + rank)
-    progress.update((k, v) for k, v in state["run"].items() if k != "config")
+    saved_progress = {k: v for k, v in state["run"].items() if k != "config"}
     note = f"; changed: {', '.join(changed)}" if changed else ""
     if state["world"] != world:
         note += f"; saved by {state['world']} processes: buffers re-split, RNG reseeded"
-    return f"resuming from {ck} (step {step}){note}"
+    return f"resuming from {ck} (step {step}){note}", saved_progress

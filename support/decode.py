@@ -24,7 +24,7 @@ import torch
 import transformers
 from torch import Tensor
 
-from support.logprobs import cache_kwarg
+from support.kvcache import cache_kwarg
 from support.parallel import hf_module
 from support.util import RunError
 

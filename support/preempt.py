@@ -11,7 +11,7 @@ its next token or problem, and the caller goes back to its last safe point.
   abandonable()    a phase a stop may cut short on one rank: at its end every rank agrees, and all
                    raise Interrupted together if any rank was stopped
   generating()     abandonable, with FSDP's weights gathered for the phase (support/parallel.py)
-  rewind()         around a step's rollout: a stop puts back the RNG streams and the data position
+  rewind()         around a step's rollout: a stop puts back the RNG streams
 
 Ranks generate different lengths, so no collective can run per token: a rank stops on its own
 flag, and the ranks agree at the phase's end, which every rank reaches. A rank that got the signal
@@ -174,12 +174,11 @@ class Rewound:
 
 
 @contextmanager
-def rewind(progress: dict, generators: list):
-    """Around a step's rollout: a stop during it (or agreed at its end) puts back the RNG streams,
-    the data position and the `generators` (objects with get_state / set_state), so a checkpoint
-    now is this step's start, and sets `stopped`."""
+def rewind(generators: list):
+    """Around a step's rollout: a stop during it (or agreed at its end) puts back the RNG streams
+    and the `generators` (objects with get_state / set_state) and sets `stopped`; the caller puts
+    back its data position, so a checkpoint now is this step's start."""
     rng = rng_state()
-    data_pos = progress["data_pos"]
     states = [g.get_state() for g in generators]
     mark = Rewound()
     try:
@@ -188,7 +187,6 @@ def rewind(progress: dict, generators: list):
             raise Interrupted
     except Interrupted:
         set_rng_state(rng)
-        progress["data_pos"] = data_pos
         for g, state in zip(generators, states):
             g.set_state(state)
         mark.stopped = True

@@ -57,6 +57,50 @@ def path_fault(path: str, suffix: str = "") -> str | None:
     return None
 
 
+def folder_fault(path: str) -> str | None:
+    """Why `path` cannot be an output folder (None: it can; made if missing): empty (it would be
+    the current folder), no file system's path, a file, under a file, or not writable."""
+    if not path.strip():
+        return "is empty"
+    fault = path_fault(path)
+    if fault:
+        return fault
+    folder = Path(path).absolute()
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder"
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        return f"is under {existing}, a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be written: {existing} is not writable"
+    return None
+
+
+def file_fault(path: str, overwrite: bool, makes_folder: bool = False) -> str | None:
+    """Why a script must not write the file `path` (None: it may): empty, no file system's path, a
+    folder or not a regular file, an existing file unless `overwrite` (a script never replaces
+    what it does not own), its folder missing unless the script makes it (`makes_folder`), or a
+    folder it cannot write."""
+    if not path.strip():
+        return "is empty"
+    fault = path_fault(path)
+    if fault:
+        return fault
+    file = Path(path)
+    if file.is_dir():
+        return "is a folder, not a file"
+    if file.exists() and not file.is_file():
+        return "exists and is not a regular file"
+    if file.exists() and not overwrite:
+        return "exists; pass --overwrite to replace it"
+    if not makes_folder and not file.parent.exists():
+        return f"is in a folder that does not exist ({file.parent})"
+    fault = folder_fault(str(file.parent))
+    if fault:
+        return f"is in {file.parent}, which {fault}"
+    return None
+
+
 def text_fault(text: str) -> str | None:
     """Why `text` is not valid Unicode (None when it is): a lone UTF-16 surrogate, which JSON and
     YAML escapes (\\ud800) produce and every tokenizer and file write then fails on."""

@@ -375,7 +375,7 @@ def test_plateau_check_on_hand_made_curves(tmp_path):
     missing = subprocess.run([*script, str(tmp_path / "nope")], check=False, capture_output=True,
                              text=True)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
-    assert missing.stderr.startswith("error: ")
+    assert missing.stderr.startswith("plateau.py: error: ")  # (bench/cli.py's parser)
 
 
 def test_area_default_budget_is_the_shortest_baseline_run_and_lora_is_its_own_arm(tmp_path):
@@ -752,3 +752,71 @@ def test_compare_names_the_library_versions_and_refuses_to_pool_two(tmp_path, mo
            f"{tmp_path / 'none-s1'} ({here}) and {moved} ({other})" in line, line
     r = compare_cli(tmp_path / "mixed", tmp_path / "none-s1", moved, "--allow-mixed")
     assert r.returncode == 0 and f"| {here}; {other} |" in r.stdout, r.stderr[-3000:]
+
+
+# ---------------------------------------- a comparison writes only its own, counts each run once
+
+
+def test_compare_never_replaces_an_earlier_comparison_without_overwrite(tmp_path, monkeypatch):
+    """A second comparison into one --out-dir replaced the first without a word (eval.py itself
+    refuses to replace results): refused, both files byte-identical, --overwrite replaces them.
+    `--out-dir ''` wrote into the current folder: refused."""
+    none = [train_run(tmp_path, "none", s, [0.2, 0.4, 0.5, 0.6 + s / 100]) for s in (0, 1)]
+    fast = train_run(tmp_path, "fast", 0, [0.2, 0.5, 0.6, 0.7])
+    out = tmp_path / "cmp_first"
+    assert compare_cli(out, *none).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = compare_cli(out, *none, fast, process=True)  # once as the user runs it
+    assert r.returncode == 2 and r.stdout == "", r.stderr[-3000:]
+    assert r.stderr == (f"eval.py: error: --out-dir {out}: compare.csv exists; pass --overwrite "
+                        "to replace it\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert compare_cli(out, *none, fast, "--overwrite").returncode == 0
+    assert "fast" in (out / "compare.csv").read_text()
+    monkeypatch.chdir(tmp_path)
+    r = compare_cli("", *none)
+    assert r.returncode == 2 and r.stderr == "eval.py: error: --out-dir '' is empty\n"
+    assert not (tmp_path / "compare.csv").exists()
+
+
+def test_compare_counts_each_run_once(tmp_path):
+    """The same run folder given twice was pooled as two seeds: refused in one line naming it,
+    whether given by the same path, another path to it, or with a LABEL=."""
+    none = [train_run(tmp_path, "none", s, [0.2, 0.4, 0.5, 0.6]) for s in (0, 1)]
+    again = tmp_path / "x" / ".." / "none-s1"
+    (tmp_path / "x").mkdir()
+    for twice in (none[1], f"half={none[1]}", again):
+        line = compare_refused(tmp_path, *none, twice)
+        assert "is given twice" in line and "a run counts once, as one seed" in line, line
+        assert str(none[1]) in line
+    line = compare_refused(tmp_path, *none, again, process=True)
+    assert f"{again} is given twice (also as {none[1]})" in line
+
+
+def test_compare_says_what_pooling_would_do(tmp_path):
+    """A run whose arm is read from its config (no LABEL=) and whose config differs from its arm's
+    others: the line says where the arm came from and that a label makes it an arm of its own;
+    in the baseline's arm, --allow-mixed is not offered as the way out: it would pool the variant
+    into the baseline. A --baseline no run is filed under is named as such, with the arms."""
+    none = [set_config(train_run(tmp_path, "none", s, [0.2, 0.4, 0.5, 0.6]), optim={"lr": 0.1})
+            for s in (0, 1)]
+    variant = set_config(train_run(tmp_path, "lr5", 0, [0.2, 0.5, 0.6, 0.6]), optim={"lr": 0.5},
+                         replay={"strategy": "none"})
+    set_summary(variant, strategy="none")  # filed under lr5/, but its config's arm is none
+    line = compare_refused(tmp_path, *none, variant)
+    assert f"arm 'none' pools runs of different configs: {none[0]} and {variant} differ in " \
+           "optim.lr (0.1 vs 0.5)" in line, line
+    assert f"the arm of {variant} was read from its config (no LABEL= given); to compare it as " \
+           f"an arm of its own, label it (NAME={variant}); --allow-mixed would pool it into the " \
+           "baseline 'none' as one more seed" in line, line
+    r = compare_cli(tmp_path / "labelled", *none, f"lr5={variant}")
+    assert r.returncode == 0 and "| lr5 | 1 |" in r.stdout, r.stderr[-3000:]
+    aper = [set_config(train_run(tmp_path, "aper", s, [0.2, 0.5, 0.6, 0.6]), optim={"lr": lr})
+            for s, lr in ((0, 0.1), (1, 0.5))]
+    line = compare_refused(tmp_path, *none, *aper)
+    assert "label it" in line and line.endswith("--allow-mixed pools them as seeds of one arm\n")
+    line = compare_refused(tmp_path, *none, *[f"fast={run}" for run in aper])
+    assert "both were labelled 'fast'; --allow-mixed pools them as seeds of one arm" in line
+    line = compare_refused(tmp_path, *none, f"fast={aper[0]}", "--baseline", "slow")
+    assert "no run is in the baseline arm 'slow' (--baseline names it); the runs' arms: fast, " \
+           "none" in line, line

@@ -18,7 +18,8 @@ import rollout
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig, generate
 from support import decode, logprobs
-from support.logprobs import kv_cache, use_chunked_head
+from support.kvcache import kv_cache
+from support.logprobs import use_chunked_head
 from support.preempt import Interrupted
 from support.util import RunError
 from safetensors.torch import load_file

@@ -1,5 +1,5 @@
 """bench/generation_memory.py at a small size: the peak of live tensor bytes of one generation
-phase with the KV cache written in place (support.logprobs.kv_cache) against HF's DynamicCache.
+phase with the KV cache written in place (support.kvcache.kv_cache) against HF's DynamicCache.
 
   python -m pytest -q tests/test_generation_memory.py        # ~15 s on 2 CPU cores
 """

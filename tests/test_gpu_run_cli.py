@@ -3,6 +3,7 @@
 with nothing written. Each run from a scratch folder, so that a regression cannot reach the
 repository's own docs/gpu."""
 
+import json
 import os
 import subprocess
 import sys
@@ -80,3 +81,17 @@ def test_without_a_gpu_the_error_is_one_line_on_stderr(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == "gpu_run.py: error: no GPU is visible; on a CPU run it with --dry-run\n"
     assert not (tmp_path / "docs").exists()
+
+
+def test_the_smallest_budget_runs_a_step_and_says_which_it_left_out(tmp_path):
+    """--budget 20, the least it takes, ran nothing (the first step's share of it fell under
+    20 s by the time it started), exited 1 and said nothing: the first step has the whole budget,
+    and a step left out says so."""
+    out = tmp_path / "out"
+    r = gpu_run(tmp_path, "--dry-run", "--steps", "env", "tiny", "--budget", "20", "--out",
+                str(out), "--work", str(tmp_path / "work"))
+    assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]  # (not every step passed: tiny)
+    assert "== env: passed" in r.stdout
+    assert "== tiny: not run (" in r.stdout and "under the 20 s a step needs)" in r.stdout
+    steps = json.loads((out / "gpu_run.json").read_text())["steps"]
+    assert steps["env"]["status"] == "passed" and steps["tiny"]["status"] == "not run"

@@ -284,7 +284,7 @@ def test_kv_dtype_is_bf16_under_autocast(monkeypatch):
                          ids=["T1", "T0.7-k7-p0.9"])
 def test_generation_cache_is_written_in_place_and_samples_what_hf_cache_does(monkeypatch,
                                                                             sampling):
-    """rollout.generate's KV cache (support.logprobs._KVCache) against HF's own DynamicCache,
+    """rollout.generate's KV cache (support.kvcache._KVCache) against HF's own DynamicCache,
     float32, one RNG seed, prompts of several lengths (left padding), some rows ending early: the
     same tokens, behaviour log-probs and entropies bit for bit. HF's cache concatenates each
     layer's whole K and V at every token (2 `cat`s per layer and step); this one concatenates only
