@@ -13,7 +13,8 @@ plateau (90 % of its mean gain), each as the ratio of the arm's median to the ba
 paired bootstrap interval (seeds resampled) and verdicts at 0.5× and 0.3×; the tokens trained on
 (the update's compute) to the second target, as the same ratio; the token passes of the update
 (forward-backward) and the total compute (`compute`) to the targets, the same; steps to the final
-accuracy, O1-Pruner's AES, the eval entropy, tokens and rows trained in all.
+accuracy, O1-Pruner's AES, the eval entropy, tokens and rows trained in all. In one `--metric`:
+avg@k (accuracy) or pass@k, maj@k, greedy (analysis/evals.py).
 """
 
 import argparse
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from analysis.compare_io import (arm_versions, compare_table, given_twice, load_run,
                                  positive_number, run_arg, write)
+from analysis.evals import METRICS, use_metric
 from analysis.pooling import incomparable
 from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, mean_known,
                             paired_ratio, welch_p)
@@ -245,6 +247,8 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                     "the baseline's mean final accuracy)")
     ap.add_argument("--gain-fraction", type=float, default=0.9, help="the second target: the "
                     "baseline's initial accuracy plus this fraction of its mean gain")
+    ap.add_argument("--metric", choices=list(METRICS), default="accuracy", help="the eval "
+                    "curve compared: avg@k (accuracy), pass@k, maj@k or greedy (analysis/evals.py)")
     ap.add_argument("--budget", help="generated tokens the area covers, or `shortest`: the "
                     "smallest total of the finished runs (default: of the baseline's runs)")
     ap.add_argument("--allow-mixed", action="store_true", help="pool the runs of an arm even "
@@ -279,16 +283,22 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
             run.pop("labelled")
         if not 0 < args.gain_fraction <= 1:  # (NaN is not)
             raise ValueError(f"--gain-fraction must be in (0, 1], got {args.gain_fraction}")
+        runs, unlogged = use_metric(runs, args.metric, args.baseline)
         table, target, budget = compare_runs(runs, args.baseline, args.target, budget,
                                              args.gain_fraction)
         print(compare_table(table, target, budget, args.baseline))
+        if args.metric != "accuracy":
+            print(f"\nin {args.metric}: the area, final value and targets above (its own "
+                  "verdicts, Holm's correction over the arms)")
+        if unlogged:
+            print(f"\nleft out (no eval/{args.metric} logged): {', '.join(unlogged)}")
         short = [run["path"] for run in runs if run["area"] is None]
         if short:
             print(f"\nnot in the area (short of the {budget:,.0f}-token budget, which --budget "
                   f"sets, or no step-0 eval): {', '.join(short)}")
         write(Path(args.out_dir), runs, {"target": target, "gain_target": table[0]["gain_target"],
                                          "gain_fraction": args.gain_fraction, "budget": budget,
-                                         "strategies": table})
+                                         "metric": args.metric, "strategies": table})
     except (OSError, ValueError, RunError) as e:
         if args.debug:
             raise

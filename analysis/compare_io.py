@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+from analysis.evals import METRICS, eval_curve
 from config import FIELDS as CONFIG_FIELDS
 from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
 from support.util import flatten
@@ -22,9 +23,13 @@ NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated
            "eval_entropy_final", "generated_tokens", "tokens/generated_total", "eval/accuracy",
            "eval/accuracy_se", "eval/response_len", "eval/entropy", "tokens/trained",
            "tokens/fwd_bwd", "tokens/no_grad", "tokens_trained", "rows_trained"]
+# The other eval metrics (#60, analysis/evals.py): each eval's, the step-0 eval's (summary.json)
+OTHER_EVALS = ["eval/pass@k", "eval/maj@k", "eval/greedy", "eval_pass_at_k_initial",
+               "eval_maj_at_k_initial", "eval_greedy_initial"]
+NUMBERS = NUMBERS + OTHER_EVALS + ["eval/n"]
 TYPES = {"strategy": str, "seed": int, "step": int} | dict.fromkeys(NUMBERS, NUMBER)
-FRACTIONS = {"eval_accuracy_initial", "eval/accuracy", "eval/accuracy_se"}  # in [0, 1]; the
-# other numbers finite and ≥ 0 (NaN, inf or a negative count would poison every mean)
+# In [0, 1]; the other numbers finite and ≥ 0 (NaN, inf or a negative count would poison every mean)
+FRACTIONS = {"eval_accuracy_initial", "eval/accuracy", "eval/accuracy_se", *OTHER_EVALS}
 # The counters of a run (cumulative): they never fall from one row of metrics.jsonl to the next
 COUNTERS = ("generated_tokens", "tokens/generated_total", "tokens/trained", "tokens/fwd_bwd",
             "tokens/no_grad")
@@ -94,7 +99,6 @@ def load_run(path: str | Path) -> dict:
     if method != "none":  # SFPO, GXPO: sfpo, aper+sfpo
         tags.append(str(method))
     phase1 = rows[0].get("tokens/generated_total", 0) - rows[0].get("generated_tokens", 0)
-    curve = [(0, phase1, summary.get("eval_accuracy_initial"), 0.0)]
     trained = {0: 0}  # step: tokens the updates trained on so far (the update's compute)
     passes = {0: (0, 0)}  # step: token passes so far, (forward-backward, no-grad) (#47)
     for row in rows:
@@ -103,11 +107,12 @@ def load_run(path: str | Path) -> dict:
         if row.get("tokens/fwd_bwd") is not None:
             passes[row.get("step")] = (row["tokens/fwd_bwd"], row.get("tokens/no_grad") or 0)
         tokens = row.get("tokens/generated_total", row.get("generated_tokens"))
-        se = row.get("eval/accuracy_se", 0)
-        curve.append((row.get("step"), tokens, row.get("eval/accuracy"), se))
-    curve = [c for c in curve if c[2] is not None]
+    curves = {}  # every eval metric's curve; evals.use_metric picks the compared one
+    for metric in METRICS:
+        curves[metric] = eval_curve(metric, summary, rows, phase1)
+    curve = curves["accuracy"]
     return {"path": str(path), "strategy": "+".join(tags).removeprefix("none+"),
-            "config": flatten(config),
+            "config": flatten(config), "curves": curves,
             "seed": summary.get("seed", config.get("seed")), "curve": curve, "trained": trained,
             "passes": passes,
             "finished": bool(summary),

@@ -1,0 +1,144 @@
+"""#60's comparison: --metric reading pass@k, maj@k and greedy (analysis/evals.py), a missing
+greedy left out, never 0. Run folders are written by hand, as tests/test_compare.py's."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from analysis import compare as cp
+from analysis.compare_io import read_run
+from analysis.evals import standard_error
+
+COLUMNS = ("accuracy", "pass@k", "maj@k", "greedy")
+INITIAL = {"accuracy": "eval_accuracy_initial", "pass@k": "eval_pass_at_k_initial",
+           "maj@k": "eval_maj_at_k_initial", "greedy": "eval_greedy_initial"}
+
+
+def run_folder(root: Path, arm: str, seed: int, evals: list[dict]) -> Path:
+    """A finished run: evals[0] is the step-0 eval (its metrics into summary.json), evals[i] the
+    metrics line of step i, whose keys are metrics.jsonl's (an eval metric left out of a row is
+    not logged there)."""
+    d = root / f"{arm}-s{seed}"
+    d.mkdir(parents=True)
+    config = {"seed": seed, "replay": {"strategy": "none"}, "rollout": {"dynamic_sampling": 0}}
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    lines = []
+    for step, row in enumerate(evals[1:], 1):
+        line = {"step": step, "generated_tokens": row["tokens/generated_total"]} | row
+        lines.append(json.dumps(line | {"eval/accuracy_se": 0.0, "eval/n": 200}) + "\n")
+    (d / "metrics.jsonl").write_text("".join(lines))
+    summary = {"strategy": "none", "seed": seed, "eval_response_len_final": 10.0,
+               "eval_entropy_final": 0.3,
+               "tokens_generated_total": evals[-1]["tokens/generated_total"]}
+    for metric, key in INITIAL.items():
+        if f"eval/{metric}" in evals[0]:
+            summary[key] = evals[0][f"eval/{metric}"]
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def rows(accs: list[float], generated: int, fwd_bwd: int, no_grad: int, trained: int,
+         **columns) -> list[dict]:
+    """Eval rows at steps 0, 1, ...: accuracy `accs`, the other columns as given, and counters
+    growing by the given amounts a step."""
+    out = []
+    for step, acc in enumerate(accs):
+        row = {"eval/accuracy": acc, "tokens/generated_total": generated * step,
+               "tokens/fwd_bwd": fwd_bwd * step, "tokens/no_grad": no_grad * step,
+               "tokens/trained": trained * step}
+        for name, values in columns.items():
+            if values[step] is not None:
+                row[f"eval/{name.replace('_at_', '@')}"] = values[step]
+        out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------ --metric
+
+
+def metric_runs(root: Path, greedy_b=(0.8, 0.7, 0.72, 0.75)) -> list[Path]:
+    """none (2 seeds) and fast (2 seeds), each column its own values; steps 0-3."""
+    columns = {"none": {"pass_at_k": [0.5, 0.6, 0.7, 0.8], "maj_at_k": [0.3, 0.35, 0.4, 0.45],
+                        "greedy": [0.8, 0.7, 0.7, 0.72]},
+               "fast": {"pass_at_k": [0.5, 0.55, 0.6, 0.62], "maj_at_k": [0.3, 0.4, 0.45, 0.5],
+                        "greedy": list(greedy_b)}}
+    accs = {"none": [0.2, 0.3, 0.4, 0.5], "fast": [0.2, 0.4, 0.5, 0.55]}
+    runs = []
+    for arm in ("none", "fast"):  # (labelled `fast` by `labelled`: the configs name none)
+        for seed in (0, 1):
+            cols = {k: [v + 0.01 * seed * (i > 0) if v is not None else None
+                        for i, v in enumerate(vals)] for k, vals in columns[arm].items()}
+            runs.append(run_folder(root, arm, seed, rows(accs[arm], 100, 150, 0, 100, **cols)))
+    return runs
+
+
+def labelled(runs: list[Path]) -> list[str]:
+    """LABEL=RUN_DIR arguments, each run's arm its folder's name without the seed."""
+    return [f"{run.name.rpartition('-s')[0]}={run}" for run in runs]
+
+
+@pytest.mark.parametrize("metric", COLUMNS)
+def test_metric_reads_its_own_columns(tmp_path, metric):
+    """--metric M: each run's final value, area and curve come from eval/M and the step-0 eval
+    from summary.json's eval_<M>_initial; the standard error of a 0/1-per-problem metric is
+    √(p (1 − p) / (n − 1))."""
+    runs = metric_runs(tmp_path)
+    out = tmp_path / "cmp"
+    cp.main([*labelled(runs), "--metric", metric, "--out-dir", str(out)])
+    result = json.loads((out / "compare.json").read_text())
+    assert result["metric"] == metric
+    for run in result["runs"]:
+        lines = [json.loads(x) for x in Path(run["path"], "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads(Path(run["path"], "summary.json").read_text())
+        ys = [summary[INITIAL[metric]]] + [line[f"eval/{metric}"] for line in lines]
+        assert [c[2] for c in run["curve"]] == ys
+        assert run["final"] == ys[-1]
+        hand = (ys[0] + 2 * ys[1] + 2 * ys[2] + ys[3]) / 6  # evals 100 tokens apart, budget 300
+        assert run["area"] == pytest.approx(hand, abs=1e-12)
+        if metric != "accuracy":
+            p = ys[2]
+            assert run["curve"][2][3] == pytest.approx(math.sqrt(p * (1 - p) / 199), rel=1e-12)
+
+
+def test_a_missing_greedy_is_left_out_never_zero(tmp_path, capsys):
+    """A run that logged no greedy (before #60, or eval.greedy off) is left out of --metric
+    greedy, named in one line, and stays in accuracy; an eval row without greedy drops out of
+    that run's curve (the interpolation bridges it); a baseline without any is one error line."""
+    runs = metric_runs(tmp_path, greedy_b=(0.8, 0.7, None, 0.75))  # fast: no greedy at step 2
+    old = run_folder(tmp_path, "old", 0, rows([0.2, 0.3, 0.4, 0.5], 100, 150, 0, 100))
+    args = [*labelled(runs), f"old={old}"]
+    cp.main([*args, "--metric", "greedy", "--out-dir", str(tmp_path / "g")])
+    assert f"left out (no eval/greedy logged): {old}\n" in capsys.readouterr().out
+    result = json.loads((tmp_path / "g" / "compare.json").read_text())
+    assert [row["strategy"] for row in result["strategies"]] == ["none", "fast"]
+    fast = [run for run in result["runs"] if run["strategy"] == "fast"]
+    assert [c[0] for c in fast[0]["curve"]] == [0, 1, 3]  # step 2 is not a 0
+    assert fast[0]["final"] == 0.75 and fast[1]["final"] == pytest.approx(0.76)
+    cp.main([*args, "--out-dir", str(tmp_path / "a")])
+    strategies = json.loads((tmp_path / "a" / "compare.json").read_text())["strategies"]
+    assert [row["strategy"] for row in strategies] == ["none", "fast", "old"]
+    assert read_run(old)[0]["eval_accuracy_initial"] == 0.2
+    with pytest.raises(SystemExit) as e:
+        cp.main([f"none={old}", *labelled(runs[2:]), "--metric", "greedy",
+                 "--out-dir", str(tmp_path / "x")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no run of the baseline 'none' logged eval/greedy" in err and err.count("\n") == 1
+
+
+def test_the_new_eval_fields_are_checked():
+    """eval/pass@k, maj@k, greedy and their step-0 values are fractions; eval/n a count."""
+    row = {"eval/pass@k": 0.8, "eval/n": 200}
+    assert standard_error("pass@k", row) == pytest.approx(math.sqrt(0.8 * 0.2 / 199))
+    assert standard_error("greedy", row) == 0.0  # not logged: no spread to count
+    assert standard_error("accuracy", {"eval/accuracy_se": 0.02}) == 0.02
+    from analysis.compare_io import check_types
+    for key, bad, words in (("eval/pass@k", 1.5, "in [0, 1]"), ("eval/greedy", "x", "a number"),
+                            ("eval_maj_at_k_initial", -0.1, "in [0, 1]"),
+                            ("eval/n", -1, "finite and ≥ 0")):
+        with pytest.raises(ValueError) as e:
+            check_types({key: bad}, "here")
+        assert f"here: {key} must be {words}" in str(e.value)
