@@ -14,7 +14,8 @@ paired bootstrap interval (seeds resampled) and verdicts at 0.5× and 0.3×; the
 (the update's compute) to the second target, as the same ratio; the token passes of the update
 (forward-backward) and the total compute (`compute`) to the targets, the same; steps to the final
 accuracy, O1-Pruner's AES, the eval entropy, tokens and rows trained in all. In one `--metric`:
-avg@k (accuracy) or pass@k, maj@k, greedy (analysis/evals.py).
+avg@k (accuracy) or pass@k, maj@k, greedy (analysis/evals.py). Beside the table, curve.md: the
+saving to every fraction of the gain (analysis/curve.py) and GPU time as a model (analysis/cost.py).
 """
 
 import argparse
@@ -148,8 +149,7 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
     L_b, A_b, T_b = (mean([run[k] for run in base]) for k in ("length", "final", "tokens"))
     T_b = T_b or math.nan  # a baseline that generated nothing: no ratio to its total
     target = A_b if target is None else target
-    initial = mean([run["curve"][0][2] for run in base if run["curve"][0][0] == 0])
-    gain_target = initial + gain_fraction * (A_b - initial)
+    gain_target = gain_level(base, gain_fraction)
     if budget is None:
         budget = min(run["tokens"] for run in base)
     if budget == "shortest":
@@ -183,6 +183,15 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
         if row["area_p_holm"] < 0.05:  # (never for NaN)
             row["verdict"] = "better" if row["area_diff"] > 0 else "worse"
     return table, target, budget
+
+
+def gain_level(base: list[dict], fraction: float) -> float:
+    """The baseline runs' mean initial value (over those with a step-0 eval: NaN when none has
+    one) plus `fraction` of their mean gain to their mean final value: the gain target, and each
+    point of the saving curve (analysis/curve.py)."""
+    initial = mean([run["curve"][0][2] for run in base if run["curve"][0][0] == 0])
+    final = mean([run["final"] for run in base])
+    return initial + fraction * (final - initial)
 
 
 def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, tested: bool,
@@ -257,6 +266,8 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                     "--out-dir")
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
+    from analysis.curve import add_curves, write_curve  # (it builds on this module's functions)
+
     try:
         out_dir_checked(args.out_dir, args.overwrite)
         results_dir(Path(args.out_dir))  # never into a run's root: --resume would refuse the run
@@ -286,6 +297,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         runs, unlogged = use_metric(runs, args.metric, args.baseline)
         table, target, budget = compare_runs(runs, args.baseline, args.target, budget,
                                              args.gain_fraction)
+        add_curves(table, runs, args.baseline, target)
         print(compare_table(table, target, budget, args.baseline))
         if args.metric != "accuracy":
             print(f"\nin {args.metric}: the area, final value and targets above (its own "
@@ -299,6 +311,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         write(Path(args.out_dir), runs, {"target": target, "gain_target": table[0]["gain_target"],
                                          "gain_fraction": args.gain_fraction, "budget": budget,
                                          "metric": args.metric, "strategies": table})
+        write_curve(Path(args.out_dir), table, args.metric, args.baseline)
     except (OSError, ValueError, RunError) as e:
         if args.debug:
             raise

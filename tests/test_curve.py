@@ -1,5 +1,7 @@
-"""#60's comparison: --metric reading pass@k, maj@k and greedy (analysis/evals.py), a missing
-greedy left out, never 0. Run folders are written by hand, as tests/test_compare.py's."""
+"""#60's comparison: the saving as a curve (analysis/curve.py) equal to the single-target
+computation at each fraction; the GPU-time model's sums (analysis/cost.py) against counters read
+from hand-made metrics lines; --metric reading pass@k, maj@k and greedy (analysis/evals.py), a
+missing greedy left out, never 0. Run folders are written by hand, as tests/test_compare.py's."""
 
 import json
 import math
@@ -9,8 +11,10 @@ import pytest
 import yaml
 
 from analysis import compare as cp
-from analysis.compare_io import read_run
-from analysis.evals import standard_error
+from analysis import cost
+from analysis.compare_io import load_run, read_run
+from analysis.curve import FRACTIONS, at_level
+from analysis.evals import standard_error, use_metric
 
 COLUMNS = ("accuracy", "pass@k", "maj@k", "greedy")
 INITIAL = {"accuracy": "eval_accuracy_initial", "pass@k": "eval_pass_at_k_initial",
@@ -54,6 +58,107 @@ def rows(accs: list[float], generated: int, fwd_bwd: int, no_grad: int, trained:
                 row[f"eval/{name.replace('_at_', '@')}"] = values[step]
         out.append(row)
     return out
+
+
+def same(a, b) -> bool:
+    """Equal, NaN equal to NaN, lists and tuples alike (compare.json writes tuples as lists)."""
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+# ------------------------------------------------------------------------ the curve, point by point
+
+
+def seeds(root: Path) -> list[str]:
+    """Three seeds of a tuned baseline (labelled `tuned`), of `fast` and of `slow`, each arm's
+    own curve and counters: crossings fall between evals, and a slow seed never reaches the top."""
+    args = []
+    base = [[0.2, 0.3, 0.38, 0.45, 0.5, 0.55, 0.58, 0.6], [0.21, 0.28, 0.4, 0.47, 0.49, 0.56, 0.6,
+            0.61], [0.19, 0.31, 0.36, 0.44, 0.52, 0.54, 0.57, 0.59]]
+    for seed, accs in enumerate(base):
+        run = run_folder(root / "t", "tuned", seed, rows(accs, 100 + seed, 150, 0, 90))
+        args.append(f"tuned={run}")
+    for seed, accs in enumerate(base):
+        fast = [min(0.62, a + 0.1 * (i > 0) + 0.01 * seed) for i, a in enumerate(accs)]
+        args.append(f"fast={run_folder(root, 'fast', seed, rows(fast, 90, 450, 150, 300))}")
+        slow = [a - 0.03 * i / 7 * (seed == 1) for i, a in enumerate(accs)]
+        args.append(f"slow={run_folder(root, 'slow', seed, rows(slow, 110, 150, 0, 95))}")
+    return args
+
+
+def test_curve_point_equals_the_single_target_computation_at_each_fraction(tmp_path):
+    """Each point of the curve in compare.json (--baseline tuned, a labelled arm) is, number for
+    number, the gain-target columns compare_runs gives under --gain-fraction f (generated tokens:
+    to_gain; total compute: compute_to_gain), and its `final` point the target columns."""
+    args = seeds(tmp_path)
+    cp.main([*args, "--baseline", "tuned", "--out-dir", str(tmp_path / "cmp")])
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    curve = {row["strategy"]: row["curve"] for row in result["strategies"]}
+    assert [p["target"] for p in curve["fast"]] == ["50 %", "60 %", "70 %", "80 %", "90 %",
+                                                    "95 %", "100 %", "final"]
+    assert (tmp_path / "cmp" / "curve.md").read_text().startswith(
+        "# The saving as a curve (accuracy, against tuned)")
+    for i, fraction in enumerate(FRACTIONS):
+        runs = []
+        for arg in args:
+            label, _, folder = arg.rpartition("=")
+            runs.append(load_run(folder) | ({"strategy": label} if label else {}))
+        runs, _ = use_metric(runs, "accuracy", "tuned")
+        table, target, _ = cp.compare_runs(runs, "tuned", None, None, fraction)
+        for row in table:
+            point = curve[row["strategy"]][i]
+            assert point["level"] == row["gain_target"]
+            assert same(point["generated"], row["to_gain"]), (fraction, row["strategy"])
+            assert same(point["compute"], row["compute_to_gain"]), (fraction, row["strategy"])
+            final = curve[row["strategy"]][-1]
+            assert final["level"] == target
+            assert same(final["generated"], row["to_target"])
+            assert same(final["compute"], row["compute_to_target"])
+    ratios = [p["generated"][0] for p in curve["fast"]]
+    assert len(set(ratios)) > 3 and all(0 < r < 1 for r in ratios[:-2])  # a curve, not a point
+
+
+# ------------------------------------------------------------------------ the GPU-time model
+
+
+def two_arms(root: Path) -> list[str]:
+    """One seed each. none: accuracy 0.2 → 0.6 by 0.1 a step; 100 generated, 150 fwd-bwd, 0
+    no-grad and 100 trained tokens a step (prefill share (600 − 400) / 400 = 0.5). fast: 0.2, 0.4,
+    then 0.6; 100 generated, 450 fwd-bwd, 150 no-grad, 360 trained a step (share (1800 − 1440) /
+    1440 = 0.25)."""
+    none = run_folder(root, "none", 0, rows([0.2, 0.3, 0.4, 0.5, 0.6], 100, 150, 0, 100))
+    fast = run_folder(root, "fast", 0, rows([0.2, 0.4, 0.6, 0.6, 0.6], 100, 450, 150, 360))
+    return [str(none), f"fast={fast}"]
+
+
+def test_cost_model_sums_equal_the_counters_of_the_metrics_lines(tmp_path):
+    """To none's final accuracy (0.6): none at step 4 (G 400, F 600, N 0, prefill 400 · 0.5),
+    fast at step 2 (G 200, F 900, N 300, prefill 200 · 0.25). Time = ρ·G + F + (N + prefill) / 3;
+    total compute = 2G + 6F + 2N; the break-even ρ solves 200ρ + 1050 = 400ρ + 666.7. At 70 % of
+    the gain (0.48) each counter is interpolated as the generated tokens are."""
+    cp.main([*two_arms(tmp_path), "--out-dir", str(tmp_path / "cmp")])
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    fast = result["strategies"][1]
+    assert fast["gpu_time"]["pairs"] == [[[200, 900, 300, 50], [400, 600, 0, 200]]]
+    for rho, ratio, lo, hi in fast["gpu_time"]["ratios"]:
+        hand = (200 * rho + 900 + (300 + 50) / 3) / (400 * rho + 600 + (0 + 200) / 3)
+        assert ratio == pytest.approx(hand, rel=1e-12) and lo == hi == ratio
+    assert fast["gpu_time"]["ratios"][0][0] == pytest.approx(1 / 3)  # FLOPs, prefill counted
+    even = fast["gpu_time"]["break_even"][-1]
+    assert even["target"] == "final" and even["cheaper"] == "above"
+    assert even["ratio"] == pytest.approx((900 + 350 / 3 - 600 - 200 / 3) / 200, rel=1e-9)
+    compute = (2 * 200 + 6 * 900 + 2 * 300) / (2 * 400 + 6 * 600 + 2 * 0)
+    assert fast["curve"][-1]["compute"] == pytest.approx([compute] * 3, rel=1e-12)
+    none, fast = [load_run(arg.rpartition("=")[2]) for arg in two_arms(tmp_path / "b")]
+    runs, _ = use_metric([none, fast | {"strategy": "fast"}], "accuracy", "none")
+    cp.compare_runs(runs, "none", None, None)
+    arms, _ = at_level(runs, "none", 0.48)
+    none_at, fast_at = arms["none"][0]["counters_at"], arms["fast"][0]["counters_at"]
+    assert none_at == pytest.approx((280, 420, 0, 140), rel=1e-9)  # 0.8 of steps 2 → 3
+    assert fast_at == pytest.approx((140, 630, 210, 35), rel=1e-9)  # 0.4 of steps 1 → 2
+    assert cost.gpu_time(fast_at, 10) == pytest.approx(1400 + 630 + (210 + 35) / 3, rel=1e-9)
+    assert cost.gpu_time(math.inf, 10) == math.inf  # never reached
 
 
 # ------------------------------------------------------------------------ --metric
@@ -101,6 +206,8 @@ def test_metric_reads_its_own_columns(tmp_path, metric):
         if metric != "accuracy":
             p = ys[2]
             assert run["curve"][2][3] == pytest.approx(math.sqrt(p * (1 - p) / 199), rel=1e-12)
+    none = result["strategies"][0]
+    assert none["curve"][-2]["level"] == pytest.approx(none["acc_mean"], abs=1e-12)  # 100 %
 
 
 def test_a_missing_greedy_is_left_out_never_zero(tmp_path, capsys):
