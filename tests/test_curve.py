@@ -117,6 +117,15 @@ def test_curve_point_equals_the_single_target_computation_at_each_fraction(tmp_p
             assert same(final["compute"], row["compute_to_target"])
     ratios = [p["generated"][0] for p in curve["fast"]]
     assert len(set(ratios)) > 3 and all(0 < r < 1 for r in ratios[:-2])  # a curve, not a point
+    cp.main([*args, "--baseline", "tuned", "--target", "0.57", "--out-dir", str(tmp_path / "t")])
+    result = json.loads((tmp_path / "t" / "compare.json").read_text())
+    for row in result["strategies"]:  # --target moves the last point only
+        for point, before in zip(row["curve"][:-1], curve[row["strategy"]]):
+            assert point["level"] == before["level"]
+            assert same(point["generated"], before["generated"])
+        assert row["curve"][-1]["level"] == 0.57
+        assert same(row["curve"][-1]["generated"], row["to_target"])
+        assert same(row["curve"][-1]["compute"], row["compute_to_target"])
 
 
 # ------------------------------------------------------------------------ the GPU-time model
