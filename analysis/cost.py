@@ -109,3 +109,14 @@ def break_even(counter_pairs: list) -> dict:
         else:
             hi = mid
     return {"ratio": math.sqrt(lo * hi), "cheaper": "above" if cheaper[-1] else "below"}
+
+
+def measured_ratios(record: dict) -> list[tuple[str, float]]:
+    """(label, c_gen / c_train) measured by a bench/gpu_run.py record: the default path (the warm
+    update's forward-backward tokens/s ÷ a whole rollout's useful tokens/s, its prefill inside)
+    and the compiled decode step (the update's ÷ the `static_packed` step's, every row live)."""
+    full = record["steps"]["full"]
+    update = full["update"]["warm_tokens_per_s"]  # prompt and completion tokens, as fwd_bwd
+    default = update / full["generation"]["useful_tokens_per_s"]
+    compiled = update / record["steps"]["decode"]["arms"]["static_packed"]["tokens_per_s"]
+    return [(f"default path {default:.1f}", default), (f"compiled decode {compiled:.2f}", compiled)]

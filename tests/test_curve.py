@@ -5,6 +5,8 @@ missing greedy left out, never 0. Run folders are written by hand, as tests/test
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ from analysis import cost
 from analysis.compare_io import load_run, read_run
 from analysis.curve import FRACTIONS, at_level
 from analysis.evals import standard_error, use_metric
+
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 
 COLUMNS = ("accuracy", "pass@k", "maj@k", "greedy")
 INITIAL = {"accuracy": "eval_accuracy_initial", "pass@k": "eval_pass_at_k_initial",
@@ -258,3 +262,19 @@ def test_the_new_eval_fields_are_checked():
         with pytest.raises(ValueError) as e:
             check_types({key: bad}, "here")
         assert f"here: {key} must be {words}" in str(e.value)
+
+
+def test_the_measured_gpu_ratios_and_the_plot(tmp_path):
+    """The H100's c_gen / c_train (docs/gpu/h100/gpu_run_2.json): 13,987 warm update tokens/s ÷
+    1,566 useful rollout tokens/s on the default path, ÷ 12,166 for the compiled decode step; the
+    plot (when matplotlib is installed) draws a comparison's model."""
+    record = json.loads((REPO / "docs" / "gpu" / "h100" / "gpu_run_2.json").read_text())
+    (_, default), (_, compiled) = cost.measured_ratios(record)
+    assert default == pytest.approx(13986.659 / 1565.765, rel=1e-6)  # 8.93
+    assert compiled == pytest.approx(13986.659 / 12166.044, rel=1e-6)  # 1.15
+    pytest.importorskip("matplotlib")
+    cp.main([*two_arms(tmp_path), "--out-dir", str(tmp_path / "cmp")])
+    script = [sys.executable, str(REPO / "bench" / "plot_cost.py"),
+              str(tmp_path / "cmp" / "compare.json"), str(tmp_path / "cost.png")]
+    subprocess.run(script, check=True, capture_output=True, timeout=120)
+    assert (tmp_path / "cost.png").stat().st_size > 0
