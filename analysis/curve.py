@@ -81,7 +81,7 @@ def add_time(gpu_time: dict, name: str, arm: list[dict], base: list[dict]) -> No
 
 def curve_markdown(table: list[dict], metric: str, baseline: str) -> str:
     """curve.md: the generated tokens' and total compute's curves, then the GPU-time model."""
-    heads = [f"{p['target']} ({100 * p['level']:.1f} %)" for p in table[0]["curve"]]
+    heads = [head(point) for point in table[0]["curve"]]
     lines = [f"# The saving as a curve ({metric}, against {baseline})", "",
              f"Each cell: the arm's median ÷ {baseline}'s, paired 95 % bootstrap interval, "
              f"[verdict at ≤ 0.5× / ≤ 0.3×]; targets: a fraction of {baseline}'s gain in "
@@ -121,6 +121,13 @@ def time_markdown(table: list[dict], heads: list[str]) -> list[str]:
         cells = [even_cell(point) for point in row["gpu_time"]["break_even"]]
         lines.append(f"| {row['strategy']} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def head(point: dict) -> str:
+    """A target's column head: its name and level (none without the baseline's step-0 eval)."""
+    if math.isnan(point["level"]):
+        return f"{point['target']} (no step-0 eval)"
+    return f"{point['target']} ({100 * point['level']:.1f} %)"
 
 
 def even_cell(point: dict) -> str:
