@@ -321,12 +321,12 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
 
 def out_dir_checked(out_dir: str, overwrite: bool) -> None:
     """ValueError unless the comparison may write into `out_dir`: a folder it can make or write (an
-    empty path is not the current folder), whose compare.csv and compare.json it replaces only
-    with --overwrite (eval.py refuses to replace results the same way)."""
+    empty path is not the current folder), whose compare.csv, compare.json and curve.md it replaces
+    only with --overwrite (eval.py refuses to replace results the same way)."""
     fault = folder_fault(out_dir)
     if fault:
         raise ValueError(f"--out-dir {out_dir!r} {fault}")
-    for name in ("compare.csv", "compare.json"):
+    for name in ("compare.csv", "compare.json", "curve.md"):
         fault = file_fault(str(Path(out_dir) / name), overwrite, makes_folder=True)
         if fault:
             raise ValueError(f"--out-dir {out_dir}: {name} {fault}")
