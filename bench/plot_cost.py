@@ -13,7 +13,6 @@ its prefill too), and the compiled decode step, the update's ÷ the `static_pack
 (every row live, no prefill). Needs matplotlib (bench/requirements.txt).
 """
 
-import argparse
 import json
 import math
 import sys
@@ -21,21 +20,20 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    import matplotlib
-except ImportError:
-    sys.exit("error: bench/plot_cost.py needs matplotlib: pip install -r bench/requirements.txt")
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis.cost import RATIOS, measured_ratios, time_ratio
+from bench import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def plot(compare: dict, path: str, gpu: list[tuple[str, float]]) -> None:
     """Time ratio against ρ per arm (the baseline is the line at 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # (no display: a file)
+    import matplotlib.pyplot as plt
+
     arms = compare["strategies"]
     grid = np.geomspace(1 / 3, 30, 200)
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -72,20 +70,22 @@ def plot(compare: dict, path: str, gpu: list[tuple[str, float]]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(__file__, __doc__)
     ap.add_argument("compare_json", help="a comparison's compare.json (eval.py --compare)")
     ap.add_argument("out_png", help="the figure")
     ap.add_argument("--gpu", default=str(REPO / "docs" / "gpu" / "h100" / "gpu_run_2.json"),
                     help="a bench/gpu_run.py record whose measured ratios are marked")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing figure")
     a = ap.parse_args()
+    ap.need("matplotlib")
+    ap.check_file("out_png", a.out_png, a.overwrite)
     try:
         compare = json.loads(Path(a.compare_json).read_text())
         gpu = measured_ratios(json.loads(Path(a.gpu).read_text()))
     except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"error: {' '.join(str(e).split())}")
+        ap.error(f"{a.compare_json} or {a.gpu}: {e}")
     if "gpu_time" not in compare["strategies"][0]:
-        sys.exit(f"error: {a.compare_json} has no gpu_time: made before #60's cost model")
+        ap.error(f"{a.compare_json} has no gpu_time: a comparison made before #60's cost model")
     plot(compare, a.out_png, gpu)
     print(f"wrote {a.out_png}")
 
