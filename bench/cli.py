@@ -22,7 +22,8 @@ import importlib.util
 import math
 from pathlib import Path
 
-from support.util import OneLineParser, RunError, file_fault, folder_fault  # noqa: F401 (re-exported)
+# file_fault and folder_fault: support/util.py's, re-exported for the scripts and their tests
+from support.util import OneLineParser, RunError, file_fault, folder_fault  # noqa: F401
 
 INSTALL = "pip install -r bench/requirements.txt"
 

@@ -81,6 +81,9 @@ def summary(cfg, p: dict) -> dict:
     """summary.json of a finished run: its settings, first and last evals, counts and versions."""
     return {"strategy": cfg.replay.strategy, "seed": cfg.seed, "steps": cfg.max_steps,
             "eval_accuracy_initial": p["eval_initial"].get("accuracy"),
+            "eval_pass_at_k_initial": p["eval_initial"].get("pass@k"),
+            "eval_maj_at_k_initial": p["eval_initial"].get("maj@k"),
+            "eval_greedy_initial": p["eval_initial"].get("greedy"),
             "eval_accuracy_final": p["eval_last"].get("accuracy"),
             "eval_response_len_final": p["eval_last"].get("response_len"),
             "eval_entropy_final": p["eval_last"].get("entropy"),
