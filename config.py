@@ -29,7 +29,7 @@ from methods.greso import SkipConfig
 from support.models import ModelConfig
 from support.rundir import ASIDE, WandbConfig
 from methods.stages import StageConfig
-from support.util import flatten, path_fault, text_fault
+from support.util import flatten, path_fault, printable, text_fault
 
 MAX_THREADS = 1024  # torch starts them on its first parallel op: 10^11 would never start
 MAX_BASES = 16  # files in one `base:` chain
@@ -39,6 +39,9 @@ NEVER = "the %s a completion's reward can be (reward.*): else the rule never fir
 
 class ConfigError(ValueError):
     """A bad config key, value or file: train.py prints it on one line and exits 2."""
+
+    def __str__(self) -> str:
+        return printable(ValueError.__str__(self))  # a file name may hold a newline
 
 
 @dataclass

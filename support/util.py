@@ -24,6 +24,15 @@ import torch
 class RunError(Exception):
     """Bad input, or a failed read or write, found while running: one line, exit 2."""
 
+    def __str__(self) -> str:
+        return printable(Exception.__str__(self))
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable written as repr writes it (a newline as
+    \\n): a path may hold one, and a refusal naming it stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 
 def oneline(e: Exception, n: int = 300) -> str:
     """An exception's message on one line, at most `n` characters."""

@@ -1,0 +1,71 @@
+"""Round six (#58 classes 7 and 8), through train.py in subprocesses: a refusal naming a path that
+holds a newline is still one line; --resume on a disk that cannot hold the next checkpoint is
+refused alone, before any note; a hub id without network fails at once, in one line; a lock held
+by another process names the holder that is known, not the pid its file names; a valid non-ASCII
+path under an ASCII locale (LC_ALL=C, PYTHONUTF8=0) trains and resumes. Each refusal: exit 2, one
+line on stderr, no traceback, every file as it was.
+
+  pytest -q tests/test_bad_input_env.py        # ~4 min on 2 busy cores
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fixtures import previous_run, snapshot
+
+from fixtures import REPO  # (tests/fixtures.py: the repository's root)
+MODEL = REPO / "data" / "tiny_model"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+       "TOKENIZERS_PARALLELISM": "false"}
+TINY = ["--config", str(REPO / "configs" / "tiny.yaml"), f"--model.path={MODEL}",
+        "--rollout.batch_size=16", "--rollout.group_size=4", "--rollout.max_new_tokens=24",
+        "--max_steps=2", "--eval.n=8", "--eval.k=1", "--checkpoint.every=1", "--threads=1",
+        "--wandb.mode=disabled"]
+pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="no tiny model")
+
+
+def run(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python ARGS` from the repository, in ENV updated by `env` (a None value: unset)."""
+    full = {**ENV, **(env or {})}
+    for name in [k for k, v in full.items() if v is None]:
+        del full[name]
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=full, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def refused(r: subprocess.CompletedProcess, *words: str) -> str:
+    """Exit 2 and one line on stderr holding `words`, no traceback."""
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+    return r.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run of 2 steps, a checkpoint after each."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    r = run("train.py", *TINY, f"--out_dir={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+# ------------------------------------------------------------------ every refusal one line
+
+
+def test_a_path_holding_a_newline_is_refused_in_one_line(tmp_path):
+    """The path is named with its newline written as \\n (support/util.printable)."""
+    out = tmp_path / "two\nlines"
+    out.mkdir()
+    (out / "notes.txt").write_text("not a run's\n")
+    before = snapshot(out)
+    refused(run("train.py", *TINY, f"--out_dir={out}"), "two\\nlines holds files no run wrote")
+    assert snapshot(out) == before
+    config = tmp_path / "no\nsuch.yaml"
+    refused(run("train.py", "--config", str(config)), "config file not found", "no\\nsuch.yaml")
