@@ -224,7 +224,7 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
         raise RunError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
     ck = out / "checkpoints" / which if which else found[-1]
     try:
-        return ck, read_state(ck, rank)
+        state = read_state(ck, rank)
     except OlderLayout:  # (the older ones are of it too)
         raise
     except RunError as e:
@@ -232,6 +232,15 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
         if not older:
             raise RunError(f"{e}; no older checkpoint is intact") from None
         raise RunError(f"{e}; the newest intact one is {older[-1]}: --resume={older[-1]}") from None
+    # A disk that cannot hold the next checkpoint is refused now, alone, not after a resume note
+    # and the steps up to that checkpoint.
+    size = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
+    free = shutil.disk_usage(ck).free
+    if free < size:
+        raise RunError(f"--resume: {free:,} bytes free on the disk of {out}, fewer than the "
+                       f"{size:,} of {ck.name} that the next checkpoint needs: free space, then "
+                       "--resume")
+    return ck, state
 
 
 def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict,

@@ -69,3 +69,32 @@ def test_a_path_holding_a_newline_is_refused_in_one_line(tmp_path):
     assert snapshot(out) == before
     config = tmp_path / "no\nsuch.yaml"
     refused(run("train.py", "--config", str(config)), "config file not found", "no\\nsuch.yaml")
+
+
+# ------------------------------------------------------------ a disk too full to resume on
+
+
+ON_A_DISK = """
+import os, runpy, shutil, sys, types
+free = int(os.environ["FREE"])  # train.py as run, on a disk with FREE bytes free
+shutil.disk_usage = lambda path: types.SimpleNamespace(total=1 << 40, used=(1 << 40) - free,
+                                                       free=free)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_resume_on_a_disk_too_full_for_a_checkpoint_is_refused_alone(trained, tmp_path):
+    """The refusal comes at set-up, alone: no resume note before it, no step run for nothing."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    before = snapshot(out)
+    args = ["-c", ON_A_DISK, str(REPO / "train.py"), *TINY, f"--out_dir={out}", "--max_steps=3",
+            "--resume"]
+    r = run(*args, env={"FREE": "4096"})
+    refused(r, f"--resume: 4,096 bytes free on the disk of {out}, fewer than the ",
+            "of step_000002 that the next checkpoint needs: free space, then --resume")
+    assert snapshot(out) == before
+    r = run(*args, env={"FREE": str(1 << 40)})  # the same command with room: it resumes
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from " in r.stderr
