@@ -137,6 +137,8 @@ def load_run_model(cfg, path: str, world: int, ck: Path | None) -> tuple:
     hub_id = path.count("/") == 1 and not local
     if not Path(path).exists() and not hub_id:
         raise RunError(f"model.path {path} does not exist (a local folder or an org/name hub id)")
+    if hub_id:
+        integrity.refuse(hub_fault(path))
     local_gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     device = torch.device(local_gpu if cfg.model.device == "auto" else cfg.model.device)
     what = "checkpoint" if ck else "model.path"
@@ -146,6 +148,31 @@ def load_run_model(cfg, path: str, world: int, ck: Path | None) -> tuple:
         raise RunError(f"{what} {path}: {e}") from None
     except Exception as e:
         raise RunError(f"{what} {path}: {type(e).__name__}: {oneline(e)}") from None
+
+
+def hub_fault(repo: str) -> str | None:
+    """Why hub id `repo` cannot be fetched, found by at most one request (None: it is in the local
+    cache, or the hub answered): offline (HF_HUB_OFFLINE), or the hub out of reach. transformers
+    would retry each file five times first, a line per try, for about a minute."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+            return None
+    except HFValidationError:
+        return None  # not a hub id after all: transformers says what it is not
+    where = f"model.path {repo}: a hub id not in the local Hugging Face cache"
+    if constants.HF_HUB_OFFLINE:
+        return f"{where}, and HF_HUB_OFFLINE is set: download it where there is network"
+    try:
+        HfApi().model_info(repo, timeout=10)
+    except (HfHubHTTPError, HFValidationError):
+        return None  # the hub answered (no such model, gated, private): transformers says so
+    except Exception as e:  # no answer: the HTTP client's own errors (DNS, refused, timeout)
+        return (f"{where}, and the hub cannot be reached ({type(e).__name__}: "
+                f"{oneline(e, 80)}): give a local folder, or set HF_HUB_OFFLINE=1 once cached")
+    return None
 
 
 def load_policy(cfg, path: str, device: torch.device, world: int):
