@@ -119,3 +119,44 @@ def test_a_hub_id_out_of_reach_fails_at_once_in_one_line(tmp_path, env):
     refused(r, "model.path no-such-org-58/no-such-model: a hub id not in the local Hugging Face "
                "cache, and ")
     assert time.monotonic() - start < 60 and not out.exists()
+
+
+# --------------------------------------------------------------------- who holds a lock
+
+
+HOLD = """
+import fcntl, os, sys, time
+lock = open(sys.argv[1], "a+")
+fcntl.flock(lock, fcntl.LOCK_EX)
+if sys.argv[2] == "self":  # the holder writes its pid, as a run does
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\\n")
+    lock.flush()
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("names", ["other", "self"])
+def test_a_lock_names_the_holder_that_is_known(tmp_path, names):
+    """Held by a process whose pid .lock does not hold (a program that took the lock without
+    writing, or a writer's pid left behind): that process is named, and .lock's pid as not the
+    holder; a holder whose pid is in .lock is named by it."""
+    out = tmp_path / "run"
+    previous_run(out)
+    (out / ".lock").write_text("4242\n")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / ".lock"), names],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = snapshot(out)
+        r = run("train.py", *TINY, f"--out_dir={out}", "--resume")
+        if names == "other":
+            refused(r, f"is in use by another process (pid {holder.pid}; its .lock names pid "
+                       "4242, which does not hold it)")
+        else:
+            refused(r, f"is in use by another run (pid {holder.pid})")
+        assert snapshot(out) == before
+    finally:
+        holder.kill()
+        holder.wait()
