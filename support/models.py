@@ -21,7 +21,7 @@ from support import integrity, lora
 from support.logprobs import head_precision
 from support.lora import LoraConfig
 from support.parallel import MAX, all_ranks, hf_module
-from support.util import RunError, fsync, oneline
+from support.util import RunError, fsync, oneline, utf8_path
 
 
 @dataclass
@@ -70,7 +70,8 @@ def load_pretrained(path: str, trust_remote_code: bool = False, dtype: torch.dty
     for f in folder:  # a FIFO would block its reader forever
         if not (f.is_file() or f.is_dir()):
             raise ValueError(f"{f.name} is not a regular file (a pipe, device, broken link)")
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with utf8_path(path) as name:  # (a path the locale could not decode: Rust opens it too)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     kw = {"trust_remote_code": trust_remote_code, "dtype": dtype}
     if meta:
@@ -323,4 +324,5 @@ def save_weights(model, tokenizer, folder: Path, weights: dict, dtype: torch.dty
         config = copy.deepcopy(model.config)
         config.dtype = dtype
         config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    with utf8_path(folder) as name:
+        tokenizer.save_pretrained(name)

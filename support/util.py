@@ -77,6 +77,22 @@ def text_fault(text: str) -> str | None:
 
 
 @contextmanager
+def utf8_path(folder):
+    """`folder` named as the tokenizers library (Rust, which takes UTF-8 text) can open it: its
+    own name, or, where that holds bytes the locale could not decode (LC_ALL=C: Python reads each
+    as a lone surrogate), the folder opened and named through /proc/self/fd (Linux) while inside."""
+    name = str(folder)
+    if not text_fault(name) or not os.path.isdir(name) or not os.path.isdir("/proc/self/fd"):
+        yield name
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+@contextmanager
 def quiet(debug: bool):
     """Dependencies' warnings (FutureWarning, DeprecationWarning) and transformers' reports (the
     load report, deprecations) are for --debug: on bad input stderr holds our one line only."""

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from fixtures import previous_run, snapshot
 
 from fixtures import REPO  # (tests/fixtures.py: the repository's root)
@@ -160,3 +161,27 @@ def test_a_lock_names_the_holder_that_is_known(tmp_path, names):
     finally:
         holder.kill()
         holder.wait()
+
+
+# -------------------------------------------------------- non-ASCII paths, an ASCII locale
+
+
+def test_a_non_ascii_path_under_an_ascii_locale_trains_and_resumes(tmp_path):
+    """LC_ALL=C without UTF-8 mode: Python reads the path's bytes as lone surrogates, which are
+    the file system's own spelling of them (not the lone surrogates a JSON escape makes): the run
+    trains from a model folder and into an out_dir named in UTF-8, and resumes; text that is not a
+    path is those bytes read as UTF-8."""
+    model, out = tmp_path / "modèle", tmp_path / "runé"
+    shutil.copytree(MODEL, model)
+    ascii_locale = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": None}
+    args = [*TINY, f"--model.path={model}", f"--out_dir={out}",
+            "--data.template=Problème {problem}"]
+    r = run("train.py", *args, env=ascii_locale)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "runé".encode() in os.listdir(bytes(tmp_path))  # the bytes as given
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["data"]["template"] == "Problème {problem}"
+    assert (out / "checkpoints" / "step_000002" / "manifest.json").is_file()
+    r = run("train.py", *args, "--max_steps=3", "--resume", env=ascii_locale)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "checkpoints" / "step_000003").is_dir() and (out / "summary.json").is_file()
