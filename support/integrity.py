@@ -1,7 +1,8 @@
 """Whole or refused: a checkpoint's manifest (every file, its size and sha256, written last: a
-checkpoint without one is not resumed), the trainer state's fields, a model folder's weights and tokenizer. Each check runs before anything is used, so
-a partial or damaged folder is one line naming what is wrong, never a traceback halfway through a
-resume, nor a model that runs with freshly initialised tensors.
+checkpoint without one is not resumed), the trainer state's fields, a model folder's weights and
+tokenizer. Each check runs before anything is used, so a partial or damaged folder is one line
+naming what is wrong, never a traceback halfway through a resume, nor a model that runs with
+freshly initialised tensors.
 """
 
 from __future__ import annotations
