@@ -66,6 +66,8 @@ def load_pretrained(path: str, trust_remote_code: bool = False, dtype: torch.dty
     they load with weights_only). `meta`: the model is built on the meta device, without memory or
     weights (fill_from_rank0 brings them)."""
     transformers.utils.logging.disable_progress_bar()  # one line per run, not a bar per file
+    if not Path(path).exists():  # a hub id
+        integrity.refuse(hub_fault(path))
     folder = sorted(Path(path).iterdir()) if Path(path).is_dir() else []
     for f in folder:  # a FIFO would block its reader forever
         if not (f.is_file() or f.is_dir()):
@@ -138,8 +140,6 @@ def load_run_model(cfg, path: str, world: int, ck: Path | None) -> tuple:
     hub_id = path.count("/") == 1 and not local
     if not Path(path).exists() and not hub_id:
         raise RunError(f"model.path {path} does not exist (a local folder or an org/name hub id)")
-    if hub_id:
-        integrity.refuse(hub_fault(path))
     local_gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     device = torch.device(local_gpu if cfg.model.device == "auto" else cfg.model.device)
     what = "checkpoint" if ck else "model.path"
@@ -163,7 +163,7 @@ def hub_fault(repo: str) -> str | None:
             return None
     except HFValidationError:
         return None  # not a hub id after all: transformers says what it is not
-    where = f"model.path {repo}: a hub id not in the local Hugging Face cache"
+    where = "a hub id not in the local Hugging Face cache"
     if constants.HF_HUB_OFFLINE:
         return f"{where}, and HF_HUB_OFFLINE is set: download it where there is network"
     try:
