@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import reprlib
 import typing
 from dataclasses import dataclass, field
@@ -29,16 +30,22 @@ from methods.greso import SkipConfig
 from support.models import ModelConfig
 from support.rundir import ASIDE, WandbConfig
 from methods.stages import StageConfig
-from support.util import flatten, path_fault, text_fault
+from support.util import flatten, path_fault, printable, text_fault
 
 MAX_THREADS = 1024  # torch starts them on its first parallel op: 10^11 would never start
 MAX_BASES = 16  # files in one `base:` chain
 OVERLONG = "≤ rollout.max_new_tokens (%d): a longer buffer punishes every completion"
 NEVER = "the %s a completion's reward can be (reward.*): else the rule never fires"
+# Keys naming a file or folder: bytes the locale cannot decode stay as Python spells them (below).
+PATHS = ("out_dir", "model.path", "data.train", "data.eval", "data.data_dir", "replay.module",
+         "replay.rlep_source")
 
 
 class ConfigError(ValueError):
     """A bad config key, value or file: train.py prints it on one line and exits 2."""
+
+    def __str__(self) -> str:
+        return printable(ValueError.__str__(self))  # a file name may hold a newline
 
 
 @dataclass
@@ -221,9 +228,10 @@ _repr.maxlevel = 2
 
 def _parse(key: str, value, tp):
     """`value` as the field's type `tp` (command-line strings are parsed), or a ConfigError."""
-    for text in value if isinstance(value, list) else [value]:  # no tokenizer or file takes \\ud800
-        if isinstance(text, str) and text_fault(text):
-            raise ConfigError(f"config key {key}: its text {text_fault(text)}")
+    if isinstance(value, str):
+        value = _text(key, value)
+    if isinstance(value, list):
+        value = [_text(key, v) if isinstance(v, str) else v for v in value]
     if isinstance(value, str) and tp is bool and value.lower() in BOOLS:
         return BOOLS[value.lower()]
     if isinstance(value, str) and tp == list[str]:  # --rollout.stop_tokens=a,b
@@ -239,6 +247,21 @@ def _parse(key: str, value, tp):
         return value
     raise ConfigError(f"config key {key} expects {getattr(tp, '__name__', tp)}, "
                       f"got {_repr.repr(value)}")
+
+
+def _text(key: str, text: str) -> str:
+    """`text` as config key `key` takes it, or a ConfigError: no tokenizer or file takes a lone
+    surrogate (\\ud800). Under a locale whose encoding is not UTF-8 (LC_ALL=C), Python reads each
+    byte of the command line it cannot decode as a surrogate U+DC80-U+DCFF: a path keeps that
+    spelling (the file system's bytes; os.fsencode gives them back), other text is those bytes
+    read as UTF-8."""
+    if not text_fault(text):
+        return text
+    try:
+        raw = os.fsencode(text)  # (fails unless every surrogate stands for a byte)
+        return text if key in PATHS else raw.decode("utf-8")
+    except UnicodeError:
+        raise ConfigError(f"config key {key}: its text {text_fault(text)}") from None
 
 
 def _set(cfg: Config, key: str, value) -> None:

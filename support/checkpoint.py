@@ -182,17 +182,18 @@ def load_optimizer(ck: Path, model, optimizer) -> None:
 
 def read_state(ck: Path, rank: int) -> dict:
     """This rank's trainer state (rank 0's for a new rank), the folder checked whole first (its
-    manifest), then the state's fields and the weights' headers."""
-    fault = integrity.manifest_fault(ck)  # before a byte of the checkpoint is read
+    manifest), then the state's fields and the weights' headers. A folder its manifest does not
+    vouch for is refused: as older code's when its state says so, else as damaged."""
+    fault = integrity.manifest_fault(ck)  # every file's sha256, before one is used
     older = integrity.older_layout(ck)
-    if fault is None and older is None:
-        try:
+    if older is None:
+        try:  # (weights_only: reading a state the manifest does not vouch for runs no code)
             state = torch.load(ck / "state_rank0.pt", weights_only=True)
             world = state.get("world") if isinstance(state, dict) else None
             if type(world) is int and 0 < rank < world:
                 state = torch.load(ck / f"state_rank{rank}.pt", weights_only=True)
             older = integrity.older_layout(ck, state)
-            fault = older or integrity.state_fault(state, ck)
+            fault = fault or integrity.state_fault(state, ck)
             for f in sorted(ck.glob("*.safetensors")) or [ck / "model.safetensors"]:
                 with safe_open(f, "pt") as st:  # a truncated file fails: its header promises more
                     list(st.keys())
@@ -200,7 +201,7 @@ def read_state(ck: Path, rank: int) -> dict:
             raise RunError(f"checkpoint {ck.name}: holds objects other than tensors and plain "
                            "values; refusing to unpickle them") from None
         except Exception as e:  # missing, truncated, empty or foreign: all "damaged"
-            fault = f"{type(e).__name__}: {oneline(e, 120)}"
+            fault = fault or f"{type(e).__name__}: {oneline(e, 120)}"
     if older:
         raise OlderLayout(f"checkpoint {ck.name} is of an older layout ({older}), which this code "
                           f"does not resume: start a new run from its weights (--model.path={ck}) "
@@ -218,7 +219,7 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
         raise RunError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
     ck = out / "checkpoints" / which if which else found[-1]
     try:
-        return ck, read_state(ck, rank)
+        state = read_state(ck, rank)
     except OlderLayout:  # (the older ones are of it too)
         raise
     except RunError as e:
@@ -226,6 +227,15 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
         if not older:
             raise RunError(f"{e}; no older checkpoint is intact") from None
         raise RunError(f"{e}; the newest intact one is {older[-1]}: --resume={older[-1]}") from None
+    # A disk that cannot hold the next checkpoint is refused now, alone, not after a resume note
+    # and the steps up to that checkpoint.
+    size = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
+    free = shutil.disk_usage(ck).free
+    if free < size:
+        raise RunError(f"--resume: {free:,} bytes free on the disk of {out}, fewer than the "
+                       f"{size:,} of {ck.name} that the next checkpoint needs: free space, then "
+                       "--resume")
+    return ck, state
 
 
 def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict,
@@ -238,6 +248,12 @@ def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict
     rank, world = rank_and_world()
     saved = state["run"]["config"]
     step = state["run"]["step"]
+    # A run saves every method's state (skip, stages, lookahead) with the config that has its
+    # section: one missing would restart that method's state in the middle of the run.
+    for name in extra or {}:
+        if name not in state and any(k.startswith(f"{name}.") for k in saved):
+            raise RunError(f"checkpoint {ck.name} is damaged (its trainer state holds no {name} "
+                           f"state, which its run saved with its {name}.* settings)")
     changed = sorted(k for k, v in flat_dict(cfg).items() if k in saved and saved[k] != v)
     refused = [k for k in changed if not k.startswith(RESUMABLE)]
     if refused:

@@ -1,7 +1,8 @@
-"""Whole or refused: a checkpoint's manifest (every file and its size, written last), the trainer
-state's fields, a model folder's weights and tokenizer. Each check runs before anything is used, so
-a partial or damaged folder is one line naming what is wrong, never a traceback halfway through a
-resume, nor a model that runs with freshly initialised tensors.
+"""Whole or refused: a checkpoint's manifest (every file, its size and sha256, written last: a
+checkpoint without one is not resumed), the trainer state's fields, a model folder's weights and
+tokenizer. Each check runs before anything is used, so a partial or damaged folder is one line
+naming what is wrong, never a traceback halfway through a resume, nor a model that runs with
+freshly initialised tensors.
 """
 
 from __future__ import annotations
@@ -50,26 +51,50 @@ def write_manifest(folder: Path) -> None:
     fsync(path)
 
 
-def manifest_fault(ck: Path) -> str | None:
-    """The first file manifest.json lists that is missing or of another size (None: all there, or
-    no manifest: a checkpoint of older code, which read_state checks by its state instead)."""
+def read_manifest(ck: Path) -> tuple[dict, dict] | None:
+    """({file: size}, {file: sha256}) that checkpoint `ck`'s manifest.json lists (None: it has
+    none); ValueError when it is not a manifest (text, JSON or fields of another kind)."""
     if not (ck / MANIFEST).exists():
         return None
     try:
         with open_regular(ck / MANIFEST, 1 << 24) as f:
             manifest = json.loads(f.read())
-        sizes = [(str(name), int(size)) for name, size in manifest["files"].items()]
+        sizes = {str(name): int(size) for name, size in manifest["files"].items()}
         hashes = {str(name): str(h) for name, h in manifest.get("sha256", {}).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return f"{MANIFEST} is damaged"
-    for name, size in sizes:
-        f = ck / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} is {f.stat().st_size:,} bytes, its {MANIFEST} says {size:,}"
-    for name, h in hashes.items():  # (a manifest of older code lists sizes alone)
-        if (ck / name).is_file() and digest(ck / name) != h:
+        raise ValueError(f"{MANIFEST} is damaged") from None
+    return sizes, hashes
+
+
+def manifest_fault(ck: Path) -> str | None:
+    """Why checkpoint `ck` is not whole by its manifest.json (None: it is): the manifest missing,
+    damaged or listing nothing; a file it lists missing, of another size or content (sha256), or
+    without its sha256; a file in the folder it does not list (which a load would read unchecked).
+    Every checkpoint this code resumes carries one: without it the content goes unchecked."""
+    try:
+        listed = read_manifest(ck)
+    except ValueError as e:
+        return str(e)
+    if listed is None:
+        return f"{MANIFEST} is missing"
+    sizes, hashes = listed
+    if not sizes:
+        return f"{MANIFEST} lists no files"
+    found = {str(f.relative_to(ck)) for f in ck.rglob("*") if f.is_file()} - {MANIFEST}
+    missing = sorted((sizes.keys() | hashes.keys()) - found)  # (a name outside `ck` too)
+    if missing:
+        return f"{missing[0]} is missing"
+    unlisted = sorted(found - sizes.keys())
+    if unlisted:
+        return f"{unlisted[0]} is in the folder but not in its {MANIFEST}"
+    for name, size in sizes.items():
+        if (ck / name).stat().st_size != size:
+            return f"{name} is {(ck / name).stat().st_size:,} bytes, its {MANIFEST} says {size:,}"
+    unhashed = sorted(sizes.keys() - hashes.keys())
+    if unhashed:
+        return f"{MANIFEST} gives no sha256 for {unhashed[0]}"
+    for name, h in hashes.items():
+        if digest(ck / name) != h:
             return f"{name}'s content is not what its {MANIFEST} says (sha256)"
     return None
 
@@ -86,19 +111,27 @@ RUN_FIELDS = (*COUNTS, "wall", "skipped", "config", "eval_initial", "eval_last",
 
 
 def older_layout(ck: Path, state=None) -> str | None:
-    """What marks checkpoint `ck` (without a manifest) as written by older code, in a layout this
-    code does not resume: trainer_state.pt alone, the optimizer state inside the trainer state, or
-    fields every state of this code holds absent (None: this layout, whole or damaged)."""
-    if (ck / MANIFEST).exists():
-        return None
+    """What marks checkpoint `ck` as written by older code, in a layout this code does not resume
+    (None: this layout, whole or damaged). The layout that added run.trained_rows added the
+    manifest, and the one that added run.data_sha256 had the manifest's sha256: a state holding
+    those fields is this layout's whatever became of its manifest, so a checkpoint whose manifest
+    was deleted or cut to sizes is damaged, never taken for an older one. `state`: its
+    state_rank0.pt (None: judged by its files alone)."""
     if state is None:
         old = (ck / "trainer_state.pt").is_file() and not (ck / "state_rank0.pt").exists()
         return "trainer_state.pt, no state_rank0.pt" if old else None
     if not isinstance(state, dict):
         return None
+    run = state.get("run") if isinstance(state.get("run"), dict) else {}
+    try:
+        listed = read_manifest(ck)
+    except ValueError:
+        return None  # a damaged manifest: damaged
+    if listed is not None:  # (the older layout with a manifest listed sizes alone)
+        sizes_only = not listed[1] and run and "data_sha256" not in run
+        return f"its {MANIFEST} lists sizes alone, no sha256" if sizes_only else None
     if "optimizer" in state and not (ck / "optimizer.pt").is_file():
         return "the optimizer state inside state_rank0.pt, no optimizer.pt"
-    run = state.get("run") if isinstance(state.get("run"), dict) else {}
     missing = [k for k in ("world", "rng", "replay", "run") if k not in state]
     missing += [f"run.{k}" for k in RUN_FIELDS if run and k not in run]
     return f"its trainer state has no {', '.join(missing[:3])}" if missing else None
@@ -106,8 +139,7 @@ def older_layout(ck: Path, state=None) -> str | None:
 
 def state_fault(state, ck: Path) -> str | None:
     """Why a trainer state (state_rank{r}.pt of checkpoint `ck`) cannot be resumed: a field missing,
-    of another type or out of its range (None: it can). A checkpoint without a manifest must hold
-    optimizer.pt once its state says updates were applied."""
+    of another type or out of its range (None: it can)."""
     run = state.get("run") if isinstance(state, dict) else None
     if not isinstance(run, dict):
         return "trainer state without its run progress"
@@ -139,10 +171,6 @@ def state_fault(state, ck: Path) -> str | None:
         return f"state_rank{lost[0]}.pt is missing, and its state says {world} processes saved it"
     if ck.name != f"step_{run['step']:06d}":
         return f"its trainer state is of step {run['step']}"
-    applied = run["trained_tokens"] > 0 and not skipped.get("nonfinite")  # an update was applied
-    if applied and not (ck / MANIFEST).exists() and not (ck / "optimizer.pt").is_file():
-        trained = run["trained_tokens"]
-        return f"optimizer.pt is missing, and its state says {trained:,} tokens trained"
     return None
 
 

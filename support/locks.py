@@ -67,16 +67,42 @@ def lock_folder(out: Path, what: str = "out_dir", who: str = "another run") -> t
 
 
 def holder(lock, who: str) -> str:
-    """Who holds the lock `lock` was refused (closed here): `who` (pid in .lock) holds it alone;
-    eval.py shares a run's while it writes results into the run."""
+    """Who holds the lock `lock` was refused (closed here), as far as it is known: `who` with its
+    pid when the pid written in .lock is the holder's; else the holder's pid from /proc/locks and
+    the pid .lock names, which is not it (a lock taken by some other program, or a writer that
+    died, its pid left in the file); eval.py shares a run's while it writes results into it."""
+    holders = lock_holders(lock)  # (before this process takes a shared lock of its own)
     try:
         fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        said = "an eval.py writing its results into it"
+        lock.close()
+        return "an eval.py writing its results into it"
     except BlockingIOError:
         lock.seek(0)
-        said = f"{who} (pid {lock.read().strip() or '?'})"
+        named = lock.read(64).strip()
     lock.close()
-    return said
+    if named in holders:
+        return f"{who} (pid {named})"
+    if not holders:  # (no /proc/locks: what .lock says is all that is known)
+        return f"{who} (its .lock names pid {named or '?'})"
+    return (f"another process (pid {', '.join(sorted(holders))}; its .lock names pid "
+            f"{named or '(none)'}, which does not hold it)")
+
+
+def lock_holders(lock) -> set[str]:
+    """The pids holding a flock on the file `lock` is open on, by /proc/locks (Linux; empty
+    elsewhere, or for a holder in another pid namespace)."""
+    st = os.fstat(lock.fileno())
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return set()
+    pids = set()
+    for row in rows:  # "1: FLOCK ADVISORY WRITE <pid> <maj:min:inode> 0 EOF"; "1: -> ...": waiting
+        if len(row) > 5 and row[1] == "FLOCK" and row[5] == where and row[4] != "0":
+            pids.add(row[4])
+    return pids
 
 
 def is_run(folder: Path) -> bool:

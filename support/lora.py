@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from support.parallel import full_tensor
+from support.util import utf8_path
 
 ADAPTER = "default"  # peft's name for a model's one adapter
 
@@ -113,7 +114,8 @@ def save_adapted(model, tokenizer, folder: Path, rank: int, merged: bool) -> Non
     adapters = adapter_weights(model)
     if rank == 0:
         model.save_pretrained(folder / "adapter" if merged else folder, state_dict=adapters)
-        tokenizer.save_pretrained(folder)
+        with utf8_path(folder) as name:  # (a path the locale could not decode: Rust writes too)
+            tokenizer.save_pretrained(name)
     if not merged:
         return
     weights = {}

@@ -21,7 +21,7 @@ from support import integrity, lora
 from support.logprobs import head_precision
 from support.lora import LoraConfig
 from support.parallel import MAX, all_ranks, hf_module
-from support.util import RunError, fsync, oneline
+from support.util import RunError, fsync, oneline, utf8_path
 
 
 @dataclass
@@ -66,11 +66,14 @@ def load_pretrained(path: str, trust_remote_code: bool = False, dtype: torch.dty
     they load with weights_only). `meta`: the model is built on the meta device, without memory or
     weights (fill_from_rank0 brings them)."""
     transformers.utils.logging.disable_progress_bar()  # one line per run, not a bar per file
+    if not Path(path).exists():  # a hub id
+        integrity.refuse(hub_fault(path))
     folder = sorted(Path(path).iterdir()) if Path(path).is_dir() else []
     for f in folder:  # a FIFO would block its reader forever
         if not (f.is_file() or f.is_dir()):
             raise ValueError(f"{f.name} is not a regular file (a pipe, device, broken link)")
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with utf8_path(path) as name:  # (a path the locale could not decode: Rust opens it too)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     kw = {"trust_remote_code": trust_remote_code, "dtype": dtype}
     if meta:
@@ -146,6 +149,31 @@ def load_run_model(cfg, path: str, world: int, ck: Path | None) -> tuple:
         raise RunError(f"{what} {path}: {e}") from None
     except Exception as e:
         raise RunError(f"{what} {path}: {type(e).__name__}: {oneline(e)}") from None
+
+
+def hub_fault(repo: str) -> str | None:
+    """Why hub id `repo` cannot be fetched, found by at most one request (None: it is in the local
+    cache, or the hub answered): offline (HF_HUB_OFFLINE), or the hub out of reach. transformers
+    would retry each file five times first, a line per try, for about a minute."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+            return None
+    except HFValidationError:
+        return None  # not a hub id after all: transformers says what it is not
+    where = "a hub id not in the local Hugging Face cache"
+    if constants.HF_HUB_OFFLINE:
+        return f"{where}, and HF_HUB_OFFLINE is set: download it where there is network"
+    try:
+        HfApi().model_info(repo, timeout=10)
+    except (HfHubHTTPError, HFValidationError):
+        return None  # the hub answered (no such model, gated, private): transformers says so
+    except Exception as e:  # no answer: the HTTP client's own errors (DNS, refused, timeout)
+        return (f"{where}, and the hub cannot be reached ({type(e).__name__}: "
+                f"{oneline(e, 80)}): give a local folder, or set HF_HUB_OFFLINE=1 once cached")
+    return None
 
 
 def load_policy(cfg, path: str, device: torch.device, world: int):
@@ -296,4 +324,5 @@ def save_weights(model, tokenizer, folder: Path, weights: dict, dtype: torch.dty
         config = copy.deepcopy(model.config)
         config.dtype = dtype
         config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    with utf8_path(folder) as name:
+        tokenizer.save_pretrained(name)

@@ -24,6 +24,15 @@ import torch
 class RunError(Exception):
     """Bad input, or a failed read or write, found while running: one line, exit 2."""
 
+    def __str__(self) -> str:
+        return printable(Exception.__str__(self))
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable written as repr writes it (a newline as
+    \\n): a path may hold one, and a refusal naming it stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 
 def oneline(e: Exception, n: int = 300) -> str:
     """An exception's message on one line, at most `n` characters."""
@@ -109,6 +118,22 @@ def text_fault(text: str) -> str | None:
     except UnicodeEncodeError as e:
         return f"holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start})"
     return None
+
+
+@contextmanager
+def utf8_path(folder):
+    """`folder` named as the tokenizers library (Rust, which takes UTF-8 text) can open it: its
+    own name, or, where that holds bytes the locale could not decode (LC_ALL=C: Python reads each
+    as a lone surrogate), the folder opened and named through /proc/self/fd (Linux) while inside."""
+    name = str(folder)
+    if not text_fault(name) or not os.path.isdir(name) or not os.path.isdir("/proc/self/fd"):
+        yield name
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -162,15 +162,16 @@ def test_resume_refuses_a_checkpoint_its_manifest_says_is_not_whole(trained, tmp
     assert "the newest intact one is step_000002: --resume=step_000002" in line
 
 
-def test_resume_of_an_older_checkpoint_without_manifest(trained, tmp_path, capsys):
-    """Older code wrote no manifest: accepted, but optimizer.pt must be there once the state says
-    tokens were trained."""
+def test_resume_of_a_checkpoint_whose_manifest_is_gone(trained, tmp_path, capsys):
+    """A state of this layout (run.trained_rows and every other field) came with a manifest: without
+    one the checkpoint is damaged, never resumed unchecked as older code's (#58)."""
     out = copy_run(trained, tmp_path)
     ck = out / "checkpoints" / "step_000004"
     (ck / "manifest.json").unlink()
     (ck / "optimizer.pt").unlink()
     line = resumed(capsys, out)
-    assert "(optimizer.pt is missing, and its state says" in line and "tokens trained" in line
+    assert "checkpoint step_000004 is damaged (manifest.json is missing)" in line
+    assert "the newest intact one is step_000002: --resume=step_000002" in line
 
 
 def set_state(ck: Path, change) -> None:
@@ -206,13 +207,16 @@ def test_resume_refuses_damaged_trainer_state_fields(trained, tmp_path, capsys, 
     assert "checkpoint step_000004 is damaged (" in line and words in line
 
 
-def without_manifest(ck: Path, change) -> None:
-    """A checkpoint as older code left it (no manifest), its trainer state changed by `change`."""
+def changed_state(ck: Path, change, manifest: bool) -> None:
+    """The trainer state of `ck` changed by `change`; its manifest rewritten to match (`manifest`),
+    or gone, as older code left it."""
     (ck / "manifest.json").unlink()
     state = torch.load(ck / "state_rank0.pt", weights_only=True)
     change(state, ck)
     if (ck / "state_rank0.pt").exists():  # (not renamed to the oldest layout's name)
         torch.save(state, ck / "state_rank0.pt")
+    if manifest:
+        integrity.write_manifest(ck)
 
 
 def other_shape(state, ck: Path) -> None:
@@ -227,11 +231,26 @@ def optimizer_inside(state, ck: Path) -> None:
     (ck / "optimizer.pt").unlink()
 
 
-NO_MANIFEST = [  # (change, what the line says): one line each, never a traceback
+BEYOND = [  # (change, what the line says): one line each, never a traceback
     (lambda s, ck: s["run"].update(data_pos=10**30), "run.data_pos is 1000000000000000000000"),
     (lambda s, ck: s.update(world=2), "state_rank1.pt is missing, and its state says 2 processes"),
     (lambda s, ck: s.update(world=10**30), "world is 1000000000000000000000"),
     (other_shape, "optimizer.pt's exp_avg is of shape (3, 5)"),
+]
+
+
+@needs_model
+@pytest.mark.parametrize("change, words", BEYOND, ids=[w[:24] for _, w in BEYOND])
+def test_resume_of_a_state_beyond_any_run_is_one_line(trained, tmp_path, capsys, change, words):
+    """A state out of any run's range, a rank's file missing, an optimizer state of another shape
+    (its manifest rewritten to match) are one line naming the checkpoint."""
+    out = copy_run(trained, tmp_path)
+    changed_state(out / "checkpoints" / "step_000004", change, manifest=True)
+    line = resumed(capsys, out)
+    assert "checkpoint step_000004" in line and words in line
+
+
+OLDER = [  # (change, what the line says)
     (optimizer_inside, "is of an older layout (the optimizer state inside state_rank0.pt"),
     (lambda s, ck: s["run"].pop("trained_rows"), "older layout (its trainer state has no run.tr"),
     (lambda s, ck: (ck / "state_rank0.pt").rename(ck / "trainer_state.pt"),
@@ -240,17 +259,15 @@ NO_MANIFEST = [  # (change, what the line says): one line each, never a tracebac
 
 
 @needs_model
-@pytest.mark.parametrize("change, words", NO_MANIFEST, ids=[w[:24] for _, w in NO_MANIFEST])
-def test_resume_without_manifest_is_one_line(trained, tmp_path, capsys, change, words):
-    """Checkpoints of older code (no manifest): a state out of any run's range, a rank's file
-    missing, an optimizer state of another shape are one line naming the checkpoint; an older
-    layout is called that (with what to do), not damaged, and no older checkpoint is offered."""
+@pytest.mark.parametrize("change, words", OLDER, ids=[w[:24] for _, w in OLDER])
+def test_resume_of_an_older_layout_is_one_line(trained, tmp_path, capsys, change, words):
+    """Checkpoints of older code (no manifest, a state of their layout) are called that, with what
+    to do, not damaged, and no older checkpoint is offered."""
     out = copy_run(trained, tmp_path)
-    without_manifest(out / "checkpoints" / "step_000004", change)
+    changed_state(out / "checkpoints" / "step_000004", change, manifest=False)
     line = resumed(capsys, out)
     assert "checkpoint step_000004" in line and words in line
-    if "older layout" in words:
-        assert "damaged" not in line and "--model.path=" in line and "--resume=" not in line
+    assert "damaged" not in line and "--model.path=" in line and "--resume=" not in line
 
 
 @needs_model

@@ -660,11 +660,11 @@ def test_a_second_run_on_the_same_out_dir_is_refused(tmp_path, capsys):
     previous_run(out)
     with open(out / ".lock", "a+") as lock:  # as a run in another process holds it
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        lock.write("4242\n")
+        lock.write(f"{os.getpid()}\n")  # (the holder's pid, as a run writes it)
         lock.flush()
         before = snapshot(out)
         assert train.main(TINY + [f"--out_dir={out}", "--overwrite", "--max_steps=1"]) == 2
-        assert f"out_dir {out} is in use by another run (pid 4242)" in error_line(capsys)
+        assert f"out_dir {out} is in use by another run (pid {os.getpid()})" in error_line(capsys)
         assert snapshot(out) == before
 
 

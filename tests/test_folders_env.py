@@ -117,10 +117,10 @@ def test_two_evals_into_one_out_dir_the_second_is_refused(tmp_path):
     out.mkdir()
     with open(out / ".lock", "a+") as lock:  # as an eval in another process holds it
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        lock.write("4242\n")
+        lock.write(f"{os.getpid()}\n")  # (the holder's pid, as eval.py writes it)
         lock.flush()
         refused(run("eval.py", "--model", str(MODEL), *EVAL, "--out-dir", str(out)),
-                f"--out-dir {out} is in use by another eval.py (pid 4242)")
+                f"--out-dir {out} is in use by another eval.py (pid {os.getpid()})")
         assert sorted(os.listdir(out)) == [".lock"]
     (out / ".lock").unlink()
     r = run("eval.py", "--model", str(MODEL), *EVAL, "--out-dir", str(out))
@@ -139,11 +139,11 @@ def test_eval_into_a_run_under_way_is_refused(tmp_path):
     before = snapshot(out)
     with open(out / ".lock", "a+") as lock:  # as train.py holds it
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        lock.write("4242\n")
+        lock.write(f"{os.getpid()}\n")  # (the holder's pid, as train.py writes it)
         lock.flush()
         r = run("eval.py", "--model", str(out / "final"), *EVAL)
-        refused(r, f"{out} is in use by a run (pid 4242)", "--out-dir outside it")
-    assert snapshot(out) == before | {".lock": b"4242\n"}
+        refused(r, f"{out} is in use by a run (pid {os.getpid()})", "--out-dir outside it")
+    assert snapshot(out) == before | {".lock": f"{os.getpid()}\n".encode()}
 
 
 def test_a_run_is_not_started_on_a_folder_an_eval_writes_into(tmp_path):
