@@ -385,6 +385,7 @@ def test_torchrun_epochs_2_update_equals_single_process(model_dir, tmp_path, mod
 # --------------------------------------------------------------------------------------- resume
 
 
+@pytest.mark.fast
 @pytest.mark.long
 @reliability.needs_model
 def test_epochs_2_sigkill_then_resume_is_bit_identical(tmp_path):

@@ -20,6 +20,7 @@ from support.logprobs import token_logprobs
 F64 = torch.float64
 AGGS = ("grpo", "dapo", "dr_grpo")
 MODES = ("behaviour", "decoupled")
+pytestmark = pytest.mark.fast  # every test here, in the fast tier (docs/testing.md)
 
 
 def t(x, **kw):

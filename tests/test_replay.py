@@ -135,6 +135,7 @@ def stored_groups(buf):
 # ---------------------------------------------------------------- none, storage, capacity
 
 
+@pytest.mark.fast
 def test_none_returns_batch_unchanged_and_draws_nothing():
     buf = buffer("none")
     assert STRATEGIES["none"] is Replay and type(buf) is Replay
@@ -151,6 +152,7 @@ def test_none_returns_batch_unchanged_and_draws_nothing():
     assert buf.metrics()["replay/sampled"] == 0.0
 
 
+@pytest.mark.fast
 def test_rows_come_back_bit_exact():
     buf = buffer("uniform", ratio=0.9)
     stored = rollouts(6, reward=torch.arange(6.0), advantage=torch.linspace(-1, 1, 6),
@@ -175,6 +177,7 @@ def test_rows_come_back_bit_exact():
     assert (buf.rows.slot == -1).all() and not buf.rows.replayed.any()
 
 
+@pytest.mark.fast
 def test_row_longer_than_max_len_raises_and_padding_past_it_is_dropped():
     buf = buffer("uniform")
     too_long = rollouts(2, L=MAX_LEN + 4)
@@ -189,6 +192,7 @@ def test_row_longer_than_max_len_raises_and_padding_past_it_is_dropped():
     assert len(buf) == 3 and torch.equal(buf.rows.tokens[:3, :12], padded.tokens[:, :12])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("strategy", BUILT_IN[1:])
 def test_capacity_is_never_exceeded(strategy):
     buf = buffer(strategy, capacity=10, tau_max=1000)
@@ -214,6 +218,7 @@ def test_capacity_is_never_exceeded(strategy):
 # ---------------------------------------------------------------- uniform
 
 
+@pytest.mark.fast
 def test_uniform_ratio_max_age_and_distinct_rows():
     buf = buffer("uniform", ratio=0.75, max_age=2, capacity=1000)
     for step in range(12):
@@ -238,6 +243,7 @@ def test_uniform_ratio_max_age_and_distinct_rows():
 # ---------------------------------------------------------------- aper
 
 
+@pytest.mark.fast
 def test_aper_never_samples_older_than_tau_max():
     tau = 3
     buf = buffer("aper", tau_max=tau, ratio=2.0, capacity=500)
@@ -257,6 +263,7 @@ def test_aper_never_samples_older_than_tau_max():
     assert buf.evicted["age"] > 0
 
 
+@pytest.mark.fast
 def test_aper_keeps_every_fresh_row_and_adds_k():
     buf = buffer("aper", ratio=0.5, tau_max=4)
     push(buf, groups([0, 1, 2, 3], 4, born=0, correct=[1, 0, 0, 0] * 4), 0)
@@ -275,6 +282,7 @@ def test_aper_keeps_every_fresh_row_and_adds_k():
     assert set(out.group.tolist()).isdisjoint(fresh.group.tolist())
 
 
+@pytest.mark.fast
 def test_aper_does_not_store_zero_advantage_rows():
     buf = buffer("aper")
     batch = groups([0, 1, 2], 4, correct=[1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0])
@@ -336,6 +344,7 @@ def check_rlep_mix(buf, mixed, fresh, n):
     return added
 
 
+@pytest.mark.fast
 def test_rlep_online_replays_only_verified_successes_of_the_same_prompt():
     buf = buffer("rlep", rlep_n=2, capacity=64)
     seen = set()
@@ -354,6 +363,7 @@ def test_rlep_online_replays_only_verified_successes_of_the_same_prompt():
     assert buf.rows.correct[buf.valid].all() and not buf.rows.replayed[buf.valid].any() and seen
 
 
+@pytest.mark.fast
 def test_rlep_phase_one_store_is_fixed(tmp_path):
     cfg = load_config(None, [])
     problems = [Problem(f"problem {i}", str(i), f"id{i}") for i in range(3)]
@@ -413,6 +423,7 @@ def latched(G=4, **kw):
     return buf
 
 
+@pytest.mark.fast
 def test_exgrpo_mixed_group_is_one_stored_success_plus_g_minus_one_fresh():
     buf = latched(ratio=0.5)
     # 11 solved 4/4: retired, not stored
@@ -448,6 +459,7 @@ def exgrpo_with(questions, G=4, **kw):
     return buf
 
 
+@pytest.mark.fast
 def test_exgrpo_question_level_mix_ratio():
     stream, stored = list(range(100, 108)), [10, 11, 12, 13]
     # int(3.6) = 3; int(7.2) = 7, 4 stored; int(0.8) = 0
@@ -468,6 +480,7 @@ def test_exgrpo_question_level_mix_ratio():
             and counts == [4] * 5 + [3] * 3)
 
 
+@pytest.mark.fast
 def test_exgrpo_replays_the_lowest_entropy_success_under_the_current_policy():
     calls, sign = [], [1.0]
 
@@ -495,6 +508,7 @@ def test_exgrpo_replays_the_lowest_entropy_success_under_the_current_policy():
         assert row.entropy.item() == pytest.approx(birth_entropy)
 
 
+@pytest.mark.fast
 def test_exgrpo_measures_every_latched_step_even_with_nothing_to_measure():
     calls = []
 
@@ -534,6 +548,7 @@ def test_exgrpo_bucket_weight_is_gaussian_in_success_counts(sigma):
     assert abs(freq - p_rate) > sd(p_rate)
 
 
+@pytest.mark.fast
 def test_exgrpo_latch_starts_experience_once_and_for_good():
     buf = buffer("exgrpo", ratio=0.5, exgrpo_min_solve=0.5)
     # 4/8 = 0.5, not more than 0.5
@@ -551,6 +566,7 @@ def test_exgrpo_latch_starts_experience_once_and_for_good():
     assert buf.plan([7, 8], 4, 3) == ([7, 5], [4, 3])
 
 
+@pytest.mark.fast
 def test_exgrpo_retires_questions_solved_by_all_g_rows():
     buf = latched(ratio=0.5)
     push(buf, groups([10, 11], 4, born=1, correct=[1, 0, 0, 0, 1, 1, 0, 0]), 1)
@@ -584,6 +600,7 @@ def test_exgrpo_retires_questions_solved_by_all_g_rows():
             and early.plan([5, 6], 4, 1) == ([6], [4]))
 
 
+@pytest.mark.fast
 def test_exgrpo_stores_each_new_correct_trajectory_once():
     buf = latched()
     batch = groups([10], 4, born=1, correct=[1, 1, 1, 0])
@@ -601,6 +618,7 @@ def test_exgrpo_stores_each_new_correct_trajectory_once():
 # ---------------------------------------------------------------- group substitution
 
 
+@pytest.mark.fast
 def test_group_replaces_only_flat_groups_with_whole_stored_groups():
     buf = buffer("group", tau_max=2, capacity=64)
     first = groups([0, 1, 2], 4, born=0, correct=[1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0])
@@ -640,6 +658,7 @@ def test_group_replaces_only_flat_groups_with_whole_stored_groups():
     assert_same(buf.sample(no_flat, 1), trim(no_flat))
 
 
+@pytest.mark.fast
 def test_group_drops_a_group_the_ring_overwrites_in_part():
     buf = buffer("group", capacity=10, tau_max=100)
     push(buf, groups([0, 1], 4, born=0, correct=[1, 0, 0, 0] * 2), 0)  # slots 0-7
@@ -653,6 +672,7 @@ def test_group_drops_a_group_the_ring_overwrites_in_part():
                for _ in range(5))
 
 
+@pytest.mark.fast
 def test_group_age_bound_and_stores_only_informative_groups():
     tau = 2
     buf, replays = buffer("group", tau_max=tau, capacity=48), 0
@@ -695,6 +715,7 @@ def test_group_priority_law():
 # ---------------------------------------------------------------- advantages of replayed rows
 
 
+@pytest.mark.fast
 def test_recomputed_advantages_match_hand_computed_values():
     buf = buffer("uniform", ratio=0.9, advantage="recompute")
     # prompt 7 (also in the fresh batch): rewards 1, 0; prompt 8: one row; prompt 9: two equal
@@ -739,6 +760,7 @@ def test_recomputed_advantages_match_hand_computed_values():
 # ---------------------------------------------------------------- resume, metrics, config
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("strategy", BUILT_IN[1:])
 def test_state_dict_round_trips_exactly(strategy):
     kw = {"capacity": 40, "ratio": 0.5, "tau_max": 3, "max_age": 5, "advantage": "recompute"}
@@ -768,6 +790,7 @@ def test_state_dict_round_trips_exactly(strategy):
                 else v == b.state_dict()[k]), k
 
 
+@pytest.mark.fast
 def test_state_dict_is_a_copy():
     buf = buffer("uniform")
     push(buf, rollouts(3), 0)
@@ -778,6 +801,7 @@ def test_state_dict_is_a_copy():
         buffer("uniform", capacity=8).load_state_dict(sd)
 
 
+@pytest.mark.fast
 def test_metrics_are_prefixed_floats():
     buf = buffer("aper")
     push(buf, groups([0, 1], 4, correct=[1, 0, 0, 0, 1, 1, 0, 0]), 0)
@@ -789,6 +813,7 @@ def test_metrics_are_prefixed_floats():
             and m["replay/priority_max"] >= m["replay/priority_min"] > 0)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("strategy", BUILT_IN)
 def test_metrics_have_the_same_keys_every_step(strategy):
     buf = buffer(strategy, capacity=32)
@@ -821,6 +846,7 @@ BAD_CONFIGS = [({"strategy": "fifo"},
                 "replay.module must be a module name on sys.path")]  # fmt: skip
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("bad,message", BAD_CONFIGS)
 def test_bad_config_is_rejected(bad, message):
     assert not all(ok for ok, _ in ReplayConfig(**bad).check().values())

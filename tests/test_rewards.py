@@ -82,6 +82,7 @@ HAND = [  # (completion, gold, equal?)
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("completion,gold,expected", HAND)
 def test_hand_examples(completion, gold, expected):
     assert R.verify(completion, gold) is expected
@@ -226,11 +227,13 @@ KINDS = {
 KIND_CASES = [(kind, *case) for kind, cases in KINDS.items() for case in cases]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kind,gold,pred,expected", KIND_CASES)
 def test_answer_forms(kind, gold, pred, expected):
     assert R.verify(pred, gold, rel_tol=1e-6, last_number_fallback=True) is expected
 
 
+@pytest.mark.fast
 def test_extraction():
     assert R.extract_answer("first \\boxed{1}, then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
     assert R.extract_answer("\\fbox{7}") == "7"
@@ -255,6 +258,7 @@ def test_extraction():
         "Final Answer: The volume of $ABCH$ is 120. I hope it is correct.") == "120"
 
 
+@pytest.mark.fast
 def test_reward_values_and_metrics():
     cfg = R.RewardConfig(correct=1.0, wrong=-0.5, no_answer=-1.0, format_bonus=0.1)
     rewards, _, _ = R.score_batch(["\\boxed{4}", "\\boxed{5}", "The answer is 4.", "no idea"],
@@ -271,6 +275,7 @@ def test_reward_values_and_metrics():
     assert R.score_batch([], [], R.RewardConfig())[:2] == ([], [])
 
 
+@pytest.mark.fast
 def test_config_check_names_the_key():
     assert all(ok for ok, _ in R.RewardConfig().check().values())
     bad = R.RewardConfig(timeout=0, batch_budget=float("inf"), workers=0, rel_tol=-1.0,
@@ -293,6 +298,7 @@ KNOWN_MISSES = {
 }
 
 
+@pytest.mark.fast
 def test_agreement_with_math_verify_cases():
     cases = read_jsonl("verifier/mathverify_cases.jsonl")
     misses = [c["id"] for c in cases
@@ -306,6 +312,7 @@ def test_agreement_with_math_verify_cases():
     assert set(misses) <= set(KNOWN_MISSES), f"new disagreements: {set(misses) - set(KNOWN_MISSES)}"
 
 
+@pytest.mark.fast
 def test_math500_gold_matches_its_solution():
     rows = read_jsonl("benchmarks/math500_test.jsonl")
     _, correct, metrics = R.score_batch([r["solution"] for r in rows], [r["answer"] for r in rows],
@@ -314,6 +321,7 @@ def test_math500_gold_matches_its_solution():
             and metrics["reward/timeouts"] == 0)
 
 
+@pytest.mark.fast
 def test_gsm8k_answer_matches_its_solution():
     rows = read_jsonl("benchmarks/gsm8k_test.jsonl")
     golds = [r["answer"].split("####")[-1].strip() for r in rows]
@@ -344,6 +352,7 @@ def test_no_false_positives_across_math500_problems():
 
 
 # ------------------------------------------------------------------------------------------- safety
+@pytest.mark.fast
 def test_hostile_examples_are_bounded_and_never_raise():
     rows = read_jsonl("verifier/hostile_examples.jsonl")
     R.verify("\\boxed{x+1}", "1+x")  # start the pool outside the timings
@@ -361,6 +370,7 @@ def test_hostile_examples_are_bounded_and_never_raise():
         assert R.verify(text, "0", last_number_fallback=True) in (True, False)
 
 
+@pytest.mark.fast
 def test_model_text_is_never_executed(tmp_path, monkeypatch):
     target = tmp_path / "pwned"
     payloads = [f"__import__('os').system('touch {target}')", f"eval(\"open('{target}', 'w')\")",
@@ -435,6 +445,7 @@ def test_import_is_cheap_and_pool_closes_at_exit():
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()] or sys.platform != "linux"
 
 
+@pytest.mark.fast
 def test_decimal_over_integer_never_raises():
     # Found by the tiny model: "\boxed{.6/12}" matched the plain-number path, where
     # Fraction(".6/12") raised and took score_batch down with it.
@@ -457,6 +468,7 @@ PLAIN_DECIMALS = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("answer,other,tol,expected", PLAIN_DECIMALS)
 def test_plain_decimal_tolerance_both_ways(answer, other, tol, expected):
     """Guards the plain-number fast path's tolerance (rewards._quick_equal): a decimal is equal to

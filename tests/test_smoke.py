@@ -27,6 +27,7 @@ def run_train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     return p
 
 
+@pytest.mark.fast
 def test_readme_command_two_steps(tmp_path):
     out = tmp_path / "run"
     run_train(out, "--max_steps=2", *SMALL)
