@@ -248,8 +248,8 @@ def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict
     rank, world = rank_and_world()
     saved = state["run"]["config"]
     step = state["run"]["step"]
-    # A run saves every method's state (skip, stages, lookahead) with the config that has its
-    # section: one missing would restart that method's state in the middle of the run.
+    # A run saves the state of each method that is on (`extra`: skip, stages, lookahead), with
+    # the config that turns it on: one missing would restart its state in the middle of the run.
     for name in extra or {}:
         if name not in state and any(k.startswith(f"{name}.") for k in saved):
             raise RunError(f"checkpoint {ck.name} is damaged (its trainer state holds no {name} "
