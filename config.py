@@ -19,6 +19,7 @@ from pathlib import Path
 from data.loaders import read_yaml_file
 from data.tiny_task import TEST_SIZE, TinyTask
 from grpo import GRPOConfig, UpdateSettings
+from methods import plugged
 from methods.lookahead import PASSES, LookaheadConfig
 from replay import ReplayConfig, sizes
 from rewards import RewardConfig
@@ -100,6 +101,9 @@ class OptimConfig:
     """Passes over each update batch, each reshuffled (GRPO's μ, TRL's num_iterations)."""
     gate: float = 0.0
     """0 = off; else drop a reuse step with lm_head grad norm > gate × the first's, stop (DGG)."""
+    update: str = ""
+    """`module:function` replacing the update, for a method written outside methods/ (README's
+    "How to add a method"); empty: GRPO's passes, or the methods below choose."""
     micro_batch_size: int = 64
     """Rows per forward/backward (memory knob: gradients accumulate, the maths do not change)."""
     micro_batch_tokens: int = 0
@@ -121,6 +125,8 @@ class OptimConfig:
                 "micro_batch_size": (0 < self.micro_batch_size <= MAX_BATCH, "> 0 and ≤ 10^9"),
                 "epochs": (1 <= self.epochs <= 64, "in [1, 64]"),
                 "gate": (gate_ok, "0 (off), or > 0 with optim.epochs > 1"),
+                "update": (not self.update or plugged(self.update) is not None,
+                           "empty, or module:function naming a function on sys.path"),
                 "micro_batch_tokens": (0 <= self.micro_batch_tokens <= MAX_BATCH,
                                        "≥ 0 (0 = off) and ≤ 10^9"),
                 "logprob_batch_size": (0 < self.logprob_batch_size <= MAX_BATCH, "> 0 and ≤ 10^9")}
@@ -200,6 +206,10 @@ class Config:
                 "optim.minibatches": (mb < 1 or prompts % mb == 0,
                                       f"a divisor of the prompts per step ({prompts})"),
                 "lookahead.method": (self.lookahead.fits(self.optim), PASSES),
+                "optim.update": (not self.optim.update or (self.lookahead.method == "none"
+                                                           and self.optim.gate == 0),
+                                 "empty with lookahead.method or optim.gate (one method replaces "
+                                 "the update)"),
                 "rollout.engine": (vllm_ok, ("hf when vLLM is not installed "
                                              "(pip install -r requirements-vllm.txt)"))}
 

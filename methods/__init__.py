@@ -9,8 +9,11 @@ off is not in the step at all.
   lookahead.py  SFPO, GXPO: replace the update (lookahead.method)
 
 Adding one: its file (the phase it fills and its config section), the section in config.py, a
-branch here.
+branch here. An update written outside methods/ needs none of these: `optim.update=module:function`
+(tests/kl_stop.py is one).
 """
+
+import importlib
 
 import grpo
 from data.loaders import next_prompts
@@ -21,10 +24,34 @@ from methods.lookahead import make_lookahead
 from methods.stages import Stages
 
 
+def plugged(spec: str):
+    """The function `module:function` names (optim.update), or None when there is none."""
+    module, _, name = spec.partition(":")
+    # ".x" is a relative import (import_module's TypeError: no package to be relative to)
+    if not module or module.startswith(".") or not name:
+        return None
+    try:
+        found = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if not (module + ".").startswith(f"{e.name}."):  # found, but it imports a missing module
+            raise
+        return None
+    update = getattr(found, name, None)
+    if not callable(update):
+        return None
+    return update
+
+
 def compose_update(cfg, methods: dict):
-    """The update phase: plain GRPO (grpo.update_policy), or the method that replaces it: SFPO or
-    GXPO (lookahead.method), or several passes with DGG's gate (optim.epochs > 1). A method with
-    state joins `methods`, which checkpoints save."""
+    """The update phase: plain GRPO (grpo.update_policy), or the method that replaces it: one
+    written outside methods/ (optim.update), SFPO or GXPO (lookahead.method), or several passes
+    with DGG's gate (optim.epochs > 1). A method with state joins `methods`, which checkpoints
+    save."""
+    if cfg.optim.update:
+        update = plugged(cfg.optim.update)
+        if hasattr(update, "state_dict"):
+            methods["update"] = update
+        return update
     if cfg.lookahead.method != "none":
         methods["lookahead"] = make_lookahead(cfg.lookahead, cfg.optim)
         return methods["lookahead"]
