@@ -72,11 +72,11 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from batch import Row, pack
+from metrics import timed
 from support import parallel
-from support.logprobs import completion_logprobs
+from support.logprobs import completion_logprobs, mode
 from support.parallel import hf_module
 from support.parallel import MAX, all_ranks
-from support.util import mode, timed
 
 
 @dataclass
@@ -317,10 +317,11 @@ def policy_logprobs(model, rows, s: UpdateSettings, device,
 
 def train_mode(model):
     """`model` in train mode while inside (the training forwards and their backward), then every
-    module as it was (support.util.mode). Loaded models stay in eval mode elsewhere (generation, the
-    no-grad passes). HF recomputes activations (model.gradient_checkpointing) only in train mode,
-    and LoRA's adapter dropout acts only then; a checkpoint's own dropout would act too, and the
-    first step's ratio would not be 1 (the paper models set none: attention_dropout 0)."""
+    module as it was (support.logprobs.mode). Loaded models stay in eval mode elsewhere
+    (generation, the no-grad passes). HF recomputes activations (model.gradient_checkpointing)
+    only in train mode, and LoRA's adapter dropout acts only then; a checkpoint's own dropout
+    would act too, and the first step's ratio would not be 1 (the paper models set none:
+    attention_dropout 0)."""
     return mode(model, training=True)
 
 

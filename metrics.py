@@ -6,6 +6,9 @@ the phase times.
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 import torch
 
 from batch import Rollouts
@@ -52,3 +55,13 @@ def log_row(p: dict, world: int, lr: float, step: int, fresh: Rollouts, batch: R
     row |= {f"time/{k}": v for k, v in t.items()}
     row["time/step"] = sum(t.values())
     return row
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    """Add the seconds the block takes to times[name]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + time.perf_counter() - t0

@@ -23,10 +23,9 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from batch import Rollouts, Row, pack_groups
 from support import decode, vllm
 from support.kvcache import kv_cache, packed_gqa
-from support.logprobs import float32_head, use_chunked_head
+from support.logprobs import float32_head, mode, use_chunked_head
 from support.parallel import hf_module
 from support.preempt import Interrupted, StopRequested, should_stop
-from support.util import mode
 
 
 # Below it sampling is greedy in all but name (vLLM treats < 1e-5 as greedy), and near 1e-37 logits

@@ -34,7 +34,7 @@ from config import Config, ConfigError, check_rules, load_config, update_setting
 from data.loaders import load_task, prompt_stream
 from eval import run_eval
 from methods import compose_rollout, compose_update
-from metrics import COUNTERS, log_row
+from metrics import COUNTERS, log_row, timed
 from replay import make_replay, sizes
 from rewards import overlong_penalty, score_batch
 from rollout import make_sampler
@@ -46,7 +46,7 @@ from support.preempt import (STOP, Interrupted, StoppedInSetup, generating, rewi
                              stopped_in_setup)
 from support.prompts import chat_prompts, end_ids
 from support.rundir import RunFolder, write_file
-from support.util import RunError, library_versions, oneline, quiet, timed, torch_dtype
+from support.util import RunError, library_versions, oneline, quiet, torch_dtype
 
 
 def main(argv: list[str]) -> int:

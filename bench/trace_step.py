@@ -79,7 +79,7 @@ def methods_entered(entered: dict[str, set]) -> int:
 def main() -> None:
     ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--config", default="configs/tiny.yaml")
-    ap.add_argument("--max", type=cli.count, default=5, help="support/ modules allowed in one step")
+    ap.add_argument("--max", type=cli.count, default=4, help="support/ modules allowed in one step")
     ap.add_argument("--max-methods", type=cli.count, default=0,
                     help="functions of methods/ allowed in one step")
     ap.add_argument("overrides", nargs="*", help="config overrides for train.py (after --)")

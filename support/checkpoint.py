@@ -25,7 +25,8 @@ from data.loaders import problems_digest
 from support import integrity, replay_state
 from support.models import save_model
 from support.parallel import MAX, all_ranks, rank_and_world
-from support.util import RunError, flat_dict, oneline, rng_state, set_rng_state
+from support.preempt import rng_state, set_rng_state
+from support.util import RunError, flat_dict, oneline
 
 # Config keys (and prefixes) that may change on --resume.
 RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint.",

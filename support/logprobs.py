@@ -249,3 +249,19 @@ def completion_logprobs(model, tokens: Tensor, prompt_len: Tensor, seq_len: Tens
     if not with_entropy:
         return to_rows(out[..., 0]), None
     return to_rows(out[..., 0]), to_rows(out[..., 1].detach())
+
+
+@contextmanager
+def mode(model, training: bool):
+    """Every module of `model` in train (`training`) or eval mode while inside, then each back in
+    its own mode. Not `model.train(was)`: a wrapper's flag need not be its layers' (peft's LoRA
+    wrapper says training while the loaded layers are in eval mode), and restoring it would flip
+    every layer."""
+    modules = list(model.modules())
+    was = [m.training for m in modules]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in zip(modules, was, strict=True):
+            m.training = flag

@@ -12,6 +12,7 @@ its next token or problem, and the caller goes back to its last safe point.
                    raise Interrupted together if any rank was stopped
   generating()     abandonable, with FSDP's weights gathered for the phase (support/parallel.py)
   rewind()         around a step's rollout: a stop puts back the RNG streams
+  rng_state()      every global RNG stream (checkpoints save it; rewind puts it back)
 
 Ranks generate different lengths, so no collective can run per token: a rank stops on its own
 flag, and the ranks agree at the phase's end, which every rank reaches. A rank that got the signal
@@ -29,17 +30,18 @@ SIGKILL at the end of the grace period is the hard stop.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
 
 from support import parallel
-from support.util import rng_state, set_rng_state
 
 KEY = "preempt/stop"  # in the process group's store: the signal number a rank got
 POLL = 1.0  # seconds between looks into the store
@@ -198,3 +200,22 @@ class StopRequested(transformers.StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         B, device = input_ids.shape[0], input_ids.device
         return torch.full((B,), should_stop(), dtype=torch.bool, device=device)
+
+
+def rng_state() -> dict:
+    """Every global RNG as lists and tensors, so the checkpoint loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

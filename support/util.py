@@ -8,16 +8,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 
@@ -171,32 +168,6 @@ def library_versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
-@contextmanager
-def mode(model, training: bool):
-    """Every module of `model` in train (`training`) or eval mode while inside, then each back in
-    its own mode. Not `model.train(was)`: a wrapper's flag need not be its layers' (peft's LoRA
-    wrapper says training while the loaded layers are in eval mode), and restoring it would flip
-    every layer."""
-    modules = list(model.modules())
-    was = [m.training for m in modules]
-    model.train(training)
-    try:
-        yield
-    finally:
-        for m, flag in zip(modules, was, strict=True):
-            m.training = flag
-
-
-@contextmanager
-def timed(times: dict, name: str):
-    """Add the seconds the block takes to times[name]."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[name] = times.get(name, 0.0) + time.perf_counter() - t0
-
-
 def fsync(path: Path) -> None:
     """Flush a file (or a folder: a rename in it) to the disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -209,25 +180,6 @@ def fsync(path: Path) -> None:
 def torch_dtype(name: str) -> torch.dtype:
     """model.compute_dtype as a torch dtype (float32 or bfloat16)."""
     return getattr(torch, name)
-
-
-def rng_state() -> dict:
-    """Every global RNG as lists and tensors, so the checkpoint loads with weights_only=True."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -145,11 +145,12 @@ def test_readmes_reading_order_gives_each_files_counted_lines():
         assert budget.measure(REPO / name)["lines"] == int(lines), name
 
 
-def test_an_ordinary_default_step_runs_five_support_modules_and_no_method():
+def test_an_ordinary_default_step_runs_four_support_modules_and_no_method():
     """#48's and #57's figures, by trace (bench/trace_step.py): one step of the default run that
-    is neither the first nor an eval's or a checkpoint's enters 5 support/ modules (#48's 4, the
-    KV cache now apart from the chunked head) and no function of methods/ (every method is off);
-    the reading path does the rest."""
+    is neither the first nor an eval's or a checkpoint's enters 4 support/ modules (generation's
+    KV cache apart from the chunked head; the phase timer in metrics.py, the train/eval mode
+    switch in support/logprobs.py) and no function of methods/ (every method is off); the
+    reading path does the rest."""
     import trace_step
 
     entered = trace_step.trace("configs/tiny.yaml", [])
@@ -157,9 +158,8 @@ def test_an_ordinary_default_step_runs_five_support_modules_and_no_method():
         assert module in entered, module  # the tracer saw the step
     assert "update_policy" in entered["grpo.py"] and "policy_logprobs" in entered["grpo.py"]
     support = trace_step.support_modules(entered)
-    # #48's 4, and since #57 generation's KV cache in its own module beside the chunked head
     expected = ["support/kvcache.py", "support/logprobs.py", "support/parallel.py",
-                "support/preempt.py", "support/util.py"]
+                "support/preempt.py"]
     assert support == expected, support
     methods = {m: f for m, f in entered.items() if m.startswith("methods/")}
     assert methods == {}, f"a method that is off ran in the default step: {methods}"

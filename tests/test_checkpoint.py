@@ -38,7 +38,8 @@ from replay import ReplayConfig, make_replay
 from batch import Rollouts
 from support import checkpoint
 from support.models import load_pretrained, save_model
-from support.util import oneline, rng_state, set_rng_state
+from support.preempt import rng_state, set_rng_state
+from support.util import oneline
 
 from fixtures import REPO  # (tests/fixtures.py: the repository's root)
 MODEL = Path(os.environ.get("TINY_MODEL", REPO / "data" / "tiny_model"))
