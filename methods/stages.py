@@ -12,7 +12,7 @@ With G the group size and g1 = `first`:
 After the last stage, `unsolved` names the prompts with no success at all; such a prompt may take
 one stored success of its own (AR3PO's buffer), so its group gets a spread. The caller wires that.
 
-Departures from AR3PO as summarised (PAPERS.md), each a choice of ours:
+Departures from AR3PO as its paper describes it, each a choice of ours:
  1. AR3PO stops a prompt once it has one correct response and gives the hard ones more stages.
     Here only an all-correct prompt stops; a mixed one is filled to G as well, so its baseline is
     the mean of G rewards, not of g1, and the saving is the all-correct prompts' G − g1 samples.
