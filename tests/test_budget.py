@@ -127,7 +127,7 @@ def owned(path: Path) -> bool:
 
 
 def test_every_python_file_keeps_lines_of_at_most_100_characters():
-    """The 100-character line length holds beyond the reading path: tests, bench scripts, data/ too."""
+    """The 100-character line length holds beyond the reading path: tests, bench, data/ too."""
     files = [p for p in sorted(REPO.rglob("*.py")) if owned(p.relative_to(REPO))]
     long = []
     for p in files:  # budget.py's own detector, over every file rather than the reading path
