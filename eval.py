@@ -87,18 +87,18 @@ def evaluate(sampler, prompts: list[list[int]], golds: list, sampling: RolloutCo
         except Interrupted:
             break
         gold = [g for g in golds[start : start + per_call] for _ in range(k)]
-        _, correct, _ = rewards.score_batch(texts, gold, reward_cfg)
+        scored = rewards.score_batch(texts, gold, reward_cfg)
         for j in range(len(texts) // k):
             rows = range(j * k, (j + 1) * k)
-            records.append(record(ro, texts, rows, correct, golds[start + j], reward_cfg, keep))
+            records.append(record(ro, texts, rows, scored, golds[start + j], keep))
     return records
 
 
-def record(ro, texts: list[str], rows: range, correct, gold, reward_cfg, keep: bool) -> dict:
-    """One prompt's record from its `rows` of the batch (`keep`: its completions' tokens too)."""
-    fallback = reward_cfg.last_number_fallback
-    rec = {"gold": gold, "correct": [bool(correct[i]) for i in rows],
-           "answers": [rewards.extract_answer(texts[i], fallback) for i in rows],
+def record(ro, texts: list[str], rows: range, scored, gold, keep: bool) -> dict:
+    """One prompt's record from its `rows` of the batch and their `scored` (rewards.Scored)
+    (`keep`: its completions' tokens too)."""
+    rec = {"gold": gold, "correct": [bool(scored.correct[i]) for i in rows],
+           "answers": [scored.answers[i] for i in rows],
            "tokens": ro.completion_len[rows].tolist(), "truncated": ro.truncated[rows].tolist(),
            "entropy": ro.entropy[rows].tolist(), "sample": texts[rows[0]]}  # a completion to read
     if keep:

@@ -1,5 +1,6 @@
 """Rule-based math answer checking: the reward for GRPO and the metric for evaluation.
-verify(completion, gold) -> bool; score_batch(completions, golds, cfg) -> rewards, correct, metrics
+verify(completion, gold) -> bool;
+score_batch(completions, golds, cfg) -> Scored(rewards, correct, metrics, answers)
 """
 # Pipeline, cheapest first:
 #   1. Extract the final answer: the last \boxed{} (boxes divided only by ",", "and", \quad form one
@@ -37,6 +38,7 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 sympy = None  # imported by _parse, so that importing this module stays cheap
 
@@ -833,9 +835,18 @@ def _gold_readings(gold: str) -> tuple:  # cached: the G completions of a group 
     return _readings(extract_answer(gold) or (_last_span(gold) or (0, gold))[1])
 
 
-def score_batch(completions: list[str], golds: list,
-                cfg: RewardConfig) -> tuple[list[float], list[bool], dict]:
-    """Rewards, correctness and metrics for a batch; plain numbers never leave this process."""
+class Scored(NamedTuple):
+    """score_batch's result, per completion but `metrics`."""
+
+    rewards: list[float]
+    correct: list[bool]
+    metrics: dict
+    answers: list[str | None]  # the extracted answer (None: none found)
+
+
+def score_batch(completions: list[str], golds: list, cfg: RewardConfig) -> Scored:
+    """Rewards, correctness, metrics and the answers read, for a batch; plain numbers never leave
+    this process."""
     t0 = time.perf_counter()
     answers = [extract_answer(c, cfg.last_number_fallback) for c in completions]
     correct = []
@@ -860,12 +871,13 @@ def score_batch(completions: list[str], golds: list,
         bonus = cfg.format_bonus if _BOX.search(str(c)[-MAX_TEXT:]) else 0.0
         rewards.append(reward + bonus)
     n = max(1, len(answers))
-    return rewards, correct, {"reward/timeouts": sum(r is None for r in results) - over_budget,
-                              "reward/over_budget": over_budget,
-                              "reward/no_answer_frac": answers.count(None) / n,
-                              "reward/correct_frac": sum(correct) / n,
-                              "reward/worker_frac": len(jobs) / n,
-                              "reward/verify_seconds": time.perf_counter() - t0}
+    metrics = {"reward/timeouts": sum(r is None for r in results) - over_budget,
+               "reward/over_budget": over_budget,
+               "reward/no_answer_frac": answers.count(None) / n,
+               "reward/correct_frac": sum(correct) / n,
+               "reward/worker_frac": len(jobs) / n,
+               "reward/verify_seconds": time.perf_counter() - t0}
+    return Scored(rewards, correct, metrics, answers)
 
 
 def overlong_penalty(lengths, max_new_tokens: int, cfg: RewardConfig):

@@ -421,7 +421,7 @@ def reward(r: Run, fresh: Rollouts, texts: list[str]) -> tuple:
     """(reward (B,), correct (B,), verifier metrics) of the rows: rewards.py's score against each
     row's gold answer, plus the overlong penalty when reward.overlong_buffer is set."""
     golds = [r.golds[i] for i in fresh.prompt_idx.tolist()]
-    rewards, correct, metrics = score_batch(texts, golds, r.cfg.reward)
+    rewards, correct, metrics, _ = score_batch(texts, golds, r.cfg.reward)
     penalty = overlong_penalty(fresh.completion_len, r.cfg.rollout.max_new_tokens, r.cfg.reward)
     return torch.tensor(rewards) + penalty, torch.tensor(correct, dtype=torch.bool), metrics
 

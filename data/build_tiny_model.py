@@ -126,7 +126,7 @@ def heldout_accuracy(model, tok, test: list[dict], temperature: float) -> float:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         _, texts = generate(model, tok, prompts, sampling, end_ids(tok, model, True, []))
-    _, correct, _ = score_batch(texts, [p["answer"] for p in test], RewardConfig())
+    correct = score_batch(texts, [p["answer"] for p in test], RewardConfig()).correct
     return sum(correct) / len(correct)
 
 

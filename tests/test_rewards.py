@@ -261,10 +261,10 @@ def test_extraction():
 @pytest.mark.fast
 def test_reward_values_and_metrics():
     cfg = R.RewardConfig(correct=1.0, wrong=-0.5, no_answer=-1.0, format_bonus=0.1)
-    rewards, _, _ = R.score_batch(["\\boxed{4}", "\\boxed{5}", "The answer is 4.", "no idea"],
+    rewards, _, _, _ = R.score_batch(["\\boxed{4}", "\\boxed{5}", "The answer is 4.", "no idea"],
                                   ["4"] * 4, cfg)
     assert rewards == pytest.approx([1.1, -0.4, 1.0, -1.0])  # a box earns the bonus even when wrong
-    rewards, correct, metrics = R.score_batch(
+    rewards, correct, metrics, _ = R.score_batch(
         ["\\boxed{4}", "\\boxed{x+1}", "nothing", "\\boxed{2}"],
         ["4", "1+x", "3", "3"], R.RewardConfig())
     assert rewards == [1.0, 1.0, 0.0, 0.0] and correct == [True, True, False, False]
@@ -315,8 +315,8 @@ def test_agreement_with_math_verify_cases():
 @pytest.mark.fast
 def test_math500_gold_matches_its_solution():
     rows = read_jsonl("benchmarks/math500_test.jsonl")
-    _, correct, metrics = R.score_batch([r["solution"] for r in rows], [r["answer"] for r in rows],
-                                        R.RewardConfig())
+    _, correct, metrics, _ = R.score_batch([r["solution"] for r in rows],
+                                           [r["answer"] for r in rows], R.RewardConfig())
     assert ([r["answer"] for r, ok in zip(rows, correct) if not ok] == []
             and metrics["reward/timeouts"] == 0)
 
@@ -325,7 +325,7 @@ def test_math500_gold_matches_its_solution():
 def test_gsm8k_answer_matches_its_solution():
     rows = read_jsonl("benchmarks/gsm8k_test.jsonl")
     golds = [r["answer"].split("####")[-1].strip() for r in rows]
-    _, correct, _ = R.score_batch([r["answer"] for r in rows], golds, R.RewardConfig())
+    _, correct, _, _ = R.score_batch([r["answer"] for r in rows], golds, R.RewardConfig())
     assert sum(correct) == len(rows) == 1319
 
 
@@ -338,7 +338,7 @@ def test_no_false_positives_across_math500_problems():
     TRULY_EQUAL."""
     rows = read_jsonl("benchmarks/math500_test.jsonl")
     pairs = [(i, (i + k) % len(rows)) for k in range(1, 11) for i in range(len(rows))]
-    _, correct, metrics = R.score_batch([rows[j]["solution"] for _, j in pairs],
+    _, correct, metrics, _ = R.score_batch([rows[j]["solution"] for _, j in pairs],
                                         [rows[i]["answer"] for i, _ in pairs],
                                         R.RewardConfig())
     def same_answer(i, j):
@@ -408,7 +408,7 @@ def test_worker_timeout_kills_and_replaces():
     before = [p.pid for p in R._pool.procs]
     slow = SLOW
     t0 = time.perf_counter()
-    _, correct, metrics = R.score_batch([slow, "\\boxed{2x}", slow], ["1", "x+x", "1"],
+    _, correct, metrics, _ = R.score_batch([slow, "\\boxed{2x}", slow], ["1", "x+x", "1"],
                                         R.RewardConfig(timeout=0.5))
     elapsed = time.perf_counter() - t0
     assert correct == [False, True, False] and metrics["reward/timeouts"] == 2 and elapsed < 2.0
@@ -424,7 +424,7 @@ def test_batch_budget_bounds_a_batch_of_slow_answers():
     R.verify("\\boxed{x+1}", "1+x")  # a warm pool
     cfg = R.RewardConfig(timeout=1.0, batch_budget=1.5)
     t0 = time.perf_counter()
-    _, correct, metrics = R.score_batch([SLOW] * 8, ["1"] * 8, cfg)
+    _, correct, metrics, _ = R.score_batch([SLOW] * 8, ["1"] * 8, cfg)
     elapsed = time.perf_counter() - t0
     assert not any(correct) and metrics["reward/over_budget"] > 0
     # every slow answer is accounted for
