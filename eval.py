@@ -41,7 +41,7 @@ from support.prompts import (ChatTemplateError, build_prompts, end_ids, frame_fa
                              template_warnings)
 from support.locks import results_folder
 from support.rundir import write_file
-from support.util import OneLineParser, RunError, oneline, path_fault, quiet
+from support.util import OneLineParser, RunError, command_errors, oneline, path_fault
 
 
 DEFAULT_TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answer within "
@@ -407,14 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="replace existing results")
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
     args = ap.parse_args(argv)
-    try:
-        with quiet(args.debug):  # dependencies' warnings: --debug only
-            return evaluate_checkpoint(args)
-    except (BadInput, RunError) as e:  # RunError: the vLLM engine's
-        if args.debug:
-            raise
-        print(f"eval.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    with command_errors("eval.py: ", args.debug, (BadInput, RunError)):  # RunError: vLLM's
+        return evaluate_checkpoint(args)
 
 
 if __name__ == "__main__":

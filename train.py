@@ -46,7 +46,7 @@ from support.preempt import (STOP, Interrupted, StoppedInSetup, generating, rewi
                              stopped_in_setup)
 from support.prompts import chat_prompts, end_ids
 from support.rundir import RunFolder, write_file
-from support.util import RunError, library_versions, oneline, quiet, torch_dtype
+from support.util import RunError, command_errors, library_versions, oneline, torch_dtype
 
 
 def main(argv: list[str]) -> int:
@@ -56,18 +56,14 @@ def main(argv: list[str]) -> int:
         if name in ("--resume", "--overwrite", "--debug"):
             flags[name] = value
     try:
-        with quiet("--debug" in flags):  # dependencies' warnings: --debug only
+        with command_errors("", "--debug" in flags, (ConfigError, RunError)):
             cfg = load_config(None, [a for a in argv if a.partition("=")[0] not in flags])
             validate(cfg)
             if "--resume" in flags and "--overwrite" in flags:
                 raise ConfigError("--resume and --overwrite exclude each other")
             return train(cfg, resume=flags.get("--resume"), overwrite="--overwrite" in flags)
-    except (ConfigError, RunError) as e:  # bad input; any other exception is a bug: a traceback
-        if "--debug" in flags:
-            e.__suppress_context__ = False  # the exception it replaced is shown too
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except SystemExit as e:  # bad input, said on one line
+        return e.code
 
 
 # ------------------------------------------------------------------------------------- set-up

@@ -22,7 +22,6 @@ import argparse
 import itertools
 import math
 import statistics
-import sys
 from pathlib import Path
 
 from analysis.compare_io import (arm_versions, compare_table, given_twice, load_run,
@@ -32,7 +31,7 @@ from analysis.pooling import incomparable
 from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, mean_known,
                             paired_ratio, welch_p)
 from support.locks import results_dir
-from support.util import OneLineParser, RunError, file_fault, folder_fault
+from support.util import OneLineParser, RunError, command_errors, file_fault, folder_fault
 
 
 def compute(generated: float, fwd_bwd: float, no_grad: float) -> float:
@@ -268,7 +267,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
     args = ap.parse_args(argv)
     from analysis.curve import add_curves, write_curve  # (it builds on this module's functions)
 
-    try:
+    with command_errors(f"{prog}: ", args.debug, (OSError, ValueError, RunError)):
         out_dir_checked(args.out_dir, args.overwrite)
         results_dir(Path(args.out_dir))  # never into a run's root: --resume would refuse the run
         if args.target is not None and not 0 <= args.target <= 1:  # (NaN is not)
@@ -312,11 +311,6 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                                          "gain_fraction": args.gain_fraction, "budget": budget,
                                          "metric": args.metric, "strategies": table})
         write_curve(Path(args.out_dir), table, args.metric, args.baseline)
-    except (OSError, ValueError, RunError) as e:
-        if args.debug:
-            raise
-        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def out_dir_checked(out_dir: str, overwrite: bool) -> None:

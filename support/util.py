@@ -153,6 +153,22 @@ def quiet(debug: bool):
         logging.set_verbosity(level)
 
 
+@contextmanager
+def command_errors(prefix: str, debug: bool, errors: tuple):
+    """Every command's bad input (`errors`): one line `<prefix>error: ...` on stderr and exit
+    code 2 (SystemExit), nothing else printed; with --debug (`debug`) its traceback. Any other
+    exception is a bug: a traceback. Dependencies' warnings are for --debug too (`quiet`)."""
+    try:
+        with quiet(debug):
+            yield
+    except errors as e:
+        if debug:
+            e.__suppress_context__ = False  # the exception it replaced is shown too
+            raise
+        print(f"{prefix}error: {oneline(e, 10**6)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line and exit 2, as every other bad input (no usage block)."""
 
