@@ -105,6 +105,12 @@ def test_area_run_short_of_budget_is_none():
     assert cp.area([], 1000) is None
 
 
+def test_total_compute_is_2n_per_generated_6n_per_trained_2n_per_no_grad_token():
+    """The coefficients results.md's compute ratios rest on (units of N FLOPs)."""
+    assert cp.compute(1, 0, 0) == 2 and cp.compute(0, 1, 0) == 6 and cp.compute(0, 0, 1) == 2
+    assert cp.compute(1000, 300, 70) == 2 * 1000 + 6 * 300 + 2 * 70
+
+
 def test_holm_hand_worked_example():
     # sorted 0.005, 0.01, 0.03, 0.04 (m = 4): 4 · 0.005 = 0.02, 3 · 0.01 = 0.03, 2 · 0.03 = 0.06,
     # 1 · 0.04 = 0.04 → 0.06 (the monotone step: never below an earlier adjusted p); NaN: no test

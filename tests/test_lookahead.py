@@ -219,6 +219,36 @@ def test_token_passes_equal_the_positions_the_forwards_ran():
     assert counts[True] == 3 * trained, "K + 1 = 3 passes over the rows with an advantage"
 
 
+def test_the_reference_models_pass_is_counted_in_no_grad_tokens():
+    """With grpo.beta > 0 plain GRPO's one pass runs the reference once over the batch, no grad:
+    tokens/no_grad counts exactly its positions (the compute comparisons' no-grad term), and none
+    without it."""
+    model, ref, batch = tiny_qwen3(300), tiny_qwen3(300, seed=1), synthetic_batch(300)
+    cfg = epochs_cfg(1)
+    cfg.grpo.beta = 0.04
+    cfg.model.gradient_checkpointing = True  # every forward runs whole rows (as above)
+    counts = {"policy": 0, "ref": 0}
+
+    def counter(name):
+        def hook(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                mask = kwargs["attention_mask"]
+                counts[name] += int(mask[:, -kwargs["input_ids"].shape[1]:].sum())
+        return hook
+
+    handles = [model.register_forward_pre_hook(counter("policy"), with_kwargs=True),
+               ref.register_forward_pre_hook(counter("ref"), with_kwargs=True)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        metrics = grpo.update_policy(update_settings(cfg), model, model, opt, batch, CPU,
+                                     ref=ref)[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert counts["policy"] == 0 and counts["ref"] > 0
+    assert metrics["tokens/no_grad"] == counts["ref"]
+
+
 def test_lookahead_rules_refuse_what_would_mean_something_else(tmp_path):
     for args, key in ((["--lookahead.method=sfpo", "--optim.epochs=2"], "lookahead.method"),
                       (["--lookahead.method=gxpo", "--lookahead.fast_steps=1"],
