@@ -219,6 +219,24 @@ def test_token_passes_equal_the_positions_the_forwards_ran():
     assert counts[True] == 3 * trained, "K + 1 = 3 passes over the rows with an advantage"
 
 
+def test_sfpos_stop_latch_survives_a_checkpoint():
+    """Once SFPO's stop has fired it holds for the rest of the run, also after --resume: the
+    latch is in the state checkpoints save, even where the entropy window alone (flat here) would
+    not fire again."""
+    cfg = sfpo_settings(2, 0.8)
+    cfg.lookahead.stop_window, cfg.lookahead.stop_z = 3, 2.0
+    before = SFPO(cfg.lookahead)
+    before.entropies, before.stopped = [0.5, 0.5, 0.5], True
+    assert not lookahead.entropy_surged(before.entropies, 3, 2.0)
+    after = SFPO(cfg.lookahead)
+    after.load_state_dict(copy.deepcopy(before.state_dict()))
+    model, batch = tiny_qwen3(300), synthetic_batch(300)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    metrics = after(update_settings(cfg), model, model, opt, batch, CPU)[0]
+    assert after.stopped and metrics["lookahead/active"] == 0.0
+    assert metrics["optim/epochs_run"] == 1.0  # one plain pass, not K + 1
+
+
 def test_the_reference_models_pass_is_counted_in_no_grad_tokens():
     """With grpo.beta > 0 plain GRPO's one pass runs the reference once over the batch, no grad:
     tokens/no_grad counts exactly its positions (the compute comparisons' no-grad term), and none
