@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiers import slow
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +16,11 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked `long` first, the rest in their order: with `-n 2` the workers then end
-    together, instead of one running a two-minute test alone at the end."""
+    """The slow tier (tests/tiers.py) marked `slow`; tests marked `long` first, the rest in their
+    order: with `-n 2` the workers then end together, instead of one running a two-minute test
+    alone at the end."""
+    for item in items:
+        if slow(item.nodeid):
+            assert item.get_closest_marker("fast") is None, f"{item.nodeid}: fast and slow"
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("long") is None)

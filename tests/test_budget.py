@@ -235,3 +235,16 @@ def test_every_file_check_covers_files_off_the_reading_path():
         assert owned(Path(name)), name
     for name in ("runs/a/b.py", ".venv/lib/x.py", "venv/lib/site-packages/x.py", "wandb/x.py"):
         assert not owned(Path(name)), name
+
+
+def test_every_slow_entry_names_a_test():
+    """tests/tiers.py's entries are starts of test ids: one that names no test (renamed, removed)
+    would leave its test in CI's tier unnoticed, or mean nothing."""
+    from tiers import SLOW
+
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests"],
+                       cwd=REPO, capture_output=True, text=True, check=False)
+    ids = [line for line in p.stdout.splitlines() if "::" in line]
+    assert len(ids) > 1000, p.stdout[-2000:]
+    unmatched = [entry for entry in SLOW if not any(i.startswith(entry) for i in ids)]
+    assert unmatched == []
