@@ -224,7 +224,7 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
 def loop(r: Run) -> int:
     """Generation steps until max_steps or a stop (SIGTERM, SIGINT: support/preempt.py), which
     abandons the rollout or the eval under way (--resume redoes it) but lets an update finish (its
-    time is bounded); returns the signal number (0: ran to the end)."""
+    passes over one batch: docs/reliability.md); returns the signal number (0: ran to the end)."""
     cfg, p = r.cfg, r.progress
     t_run = begin(r)
     if t_run is None:
