@@ -292,6 +292,7 @@ def test_aper_does_not_store_zero_advantage_rows():
     assert buf.score[buf.valid].tolist() == pytest.approx([0.75 + 1e-3] + [0.25 + 1e-3] * 3)
 
 
+@pytest.mark.fast  # (tests/regressions.py's aper_alpha: no other fast test notices it)
 @pytest.mark.parametrize("alpha", [1.0, 0.5, 2.0])
 def test_aper_sampling_frequency_follows_priority(alpha):
     A = torch.tensor([0.1, -0.2, 0.4, -0.8, 1.0, 1.5, -2.0, 3.0])

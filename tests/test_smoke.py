@@ -84,6 +84,9 @@ def test_every_tiny_config_runs(tmp_path, name):
         assert "replay/size" in r and "replay/token_share" in r and "replay/age_max" in r
     if name in ("uniform", "aper"):
         assert rows[-1]["replay/rows"] > 0, "rows were replayed by step 3"
+        # a step replays rows of earlier steps only: stored after its update, drawn from then on
+        assert rows[0]["replay/rows"] == 0
+        assert all(r["replay/age_mean"] >= 1 for r in rows if r["replay/rows"] > 0)
     if name.startswith("skip"):  # GRESO's metrics every step
         assert all("greso/p_easy" in r and r["greso/consumed"] >= r["adv/groups"] for r in rows)
     if name == "stages":  # every step says what the stage rule did
