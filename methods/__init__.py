@@ -13,7 +13,7 @@ branch here. An update written outside methods/ needs none of these: `optim.upda
 (tests/kl_stop.py is one).
 """
 
-import importlib
+import sys
 
 import grpo
 from data.loaders import next_prompts
@@ -22,21 +22,16 @@ from methods.gate import reuse_update
 from methods.greso import PromptSkip
 from methods.lookahead import make_lookahead
 from methods.stages import Stages
+from replay import imports
 
 
 def plugged(spec: str):
     """The function `module:function` names (optim.update), or None when there is none."""
     module, _, name = spec.partition(":")
     # ".x" is a relative import (import_module's TypeError: no package to be relative to)
-    if not module or module.startswith(".") or not name:
+    if not module or module.startswith(".") or not name or not imports(module):
         return None
-    try:
-        found = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if not (module + ".").startswith(f"{e.name}."):  # found, but it imports a missing module
-            raise
-        return None
-    update = getattr(found, name, None)
+    update = getattr(sys.modules[module], name, None)
     if not callable(update):
         return None
     return update

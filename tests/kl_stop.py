@@ -17,15 +17,13 @@ class KLStop:
     def __call__(self, s, model, policy, optimizer, batch, device, compute=None, ref=None):
         u = grpo.start_update(s, model, policy, optimizer, batch, device, compute, ref,
                               s.optim.epochs)
-        passes = 0
         for k in range(s.optim.epochs):
             grpo.run_pass(u, k)
-            passes += 1
             # every rank's tokens: the same number, so the same decision, on every rank
             kl = max(step.get("approx_kl", 0.0) for step in u.steps[-s.optim.minibatches :])
             if kl > self.target_kl:
                 break
-        return grpo.finish_update(u, {"kl_stop/passes": float(passes)})
+        return grpo.finish_update(u, {"kl_stop/passes": float(k + 1)})
 
 
 update = KLStop(target_kl=0.02)  # a common PPO setting
