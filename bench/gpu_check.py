@@ -14,11 +14,14 @@ Usage:
     all-gather inside `generate` (the weights were gathered once before it); a bf16 KV cache.
 (c) The behaviour-vs-trainer log-prob gap of fresh tokens at the sampling weights (mean, p99, the
     fraction of tokens whose ratio falls outside the clip range): fails above --max-gap-mean.
-(d) Peak memory of each phase against bench/memory_plan.py: fails above +10 % (a GPU only).
+(d) Peak memory of each phase against bench/memory_plan.py: fails more than 10 % off the plan,
+    above or below (a GPU only).
 (e) One lr 1e-6 AdamW step moves ≥ 99 % of the weights with a non-zero gradient, and the gradient
-    norm equals that of float32 weights without FSDP (bf16 autocast) within 1 %.
-Prints one line per check, then `gpu_check: OK` or `gpu_check: FAILED (...)`; exits 0 / 1. Without a
-GPU it prints one line and exits 2.
+    norm equals that of float32 weights without FSDP (bf16 autocast) within 1 %; the cold and a warm
+    step's tokens/s and MFU. With --extras: the TF32 head and a 4x larger micro-batch beside them.
+Prints each figure the moment it is measured (the float32 reference, the slowest, last), then
+`gpu_check: OK` or `gpu_check: FAILED (...)`; exits 0 / 1. Without a GPU it prints one line and
+exits 2.
 """
 
 from __future__ import annotations
@@ -70,10 +73,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", help="also write every figure measured to this JSON file")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     ap.add_argument("--skip-torchrun", action="store_true", help="leave out check (a)")
-    ap.add_argument("--fast-decode", action="store_true",
-                    help="generate with rollout.static_cache and rollout.pack_gqa (the compiled, "
-                         "packed decode step), timing a second rollout after a first compiles it")
-    ap.add_argument("--generation-only", action="store_true", help="check (b) alone")
+    ap.add_argument("--extras", action="store_true",
+                    help="also a warm update with the TF32 head and one with a 4x micro-batch")
     ap.add_argument("--profile", action="store_true",
                     help="profile one more warm update: its top ops and the output layer's share")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the CPU tests
@@ -157,10 +158,7 @@ def run_args(path: str, a: argparse.Namespace) -> list[str]:
     return [f"--model.path={path}", "--model.parallel=fsdp", *lora, "--optim.lr=1e-6",
             f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group_size}",
             f"--rollout.batch_size={n}", f"--rollout.gen_batch_size={n}",
-            f"--data.max_prompt_tokens={a.prompt_tokens}", *FAST_DECODE * a.fast_decode]
-
-
-FAST_DECODE = ["--rollout.static_cache=true", "--rollout.pack_gqa=true"]
+            f"--data.max_prompt_tokens={a.prompt_tokens}"]
 
 
 def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]:
@@ -218,15 +216,8 @@ def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
     model, policy, tok, _, compute = load_policy(cfg, path, device, 1)
     peaks = {}
     batch, failures = generation_check(model, tok, cfg, compute, a, peaks)
-    if a.generation_only:
-        dist.destroy_process_group()
-        return failures
-    firsts = range(0, len(batch), a.group_size)  # one row per prompt
-    engines(path, [batch.tokens[i, : batch.prompt_len[i]].tolist() for i in firsts], a, device)
-    failures += update_checks(cfg, model, policy, compute, device, batch, path, a, peaks)
+    failures += update_checks(cfg, model, policy, compute, device, batch, path, a, peaks, shape)
     failures += chunked_head_check(model, compute, device, batch, a)
-    if shape is not None and cuda:
-        failures += memory_check(cfg, shape, peaks, a)
     dist.destroy_process_group()
     return failures
 
@@ -249,14 +240,6 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
         caches.append(kwargs.get("cache", kwargs.get("past_key_values")))  # (5.24 renamed it)
 
     hook = hf_module(model).register_forward_pre_hook(keep_cache, with_kwargs=True)
-    first = None
-    if a.fast_decode:  # the first rollout compiles the step (and captures CUDA graphs): untimed
-        torch.manual_seed(0)
-        with generation(model, compute):
-            t0 = time.time()
-            generate(model, tok, prompts, cfg.rollout, stop)
-            sync()
-            first = time.time() - t0
     reset_peak()
     torch.manual_seed(0)  # the samples too are seeded: a rerun checks the same batch
     with generation(model, compute):
@@ -274,35 +257,14 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
                             "padded_tokens_per_s": padded / seconds, "rows": len(ro),
                             "useful_tokens": useful, "seconds": seconds,
                             "all_gathers_inside_generate": len(gathers), "kv_cache": str(kv),
-                            "cache": type(caches[-1]).__name__, "fast_decode": a.fast_decode,
-                            "first_rollout_seconds": first}
+                            "cache": type(caches[-1]).__name__}
     print(f"(b) generation: {useful / seconds:.0f} useful tokens/s, {padded / seconds:.0f} padded "
           f"tokens/s ({len(ro)} rows, prompts of {a.prompt_tokens}); all-gathers inside generate: "
-          f"{len(gathers)}; KV cache {kv}{fast_said(first)}")
+          f"{len(gathers)}; KV cache {kv}")
     failures = [f"(b) {len(gathers)} all-gathers inside generate"] * bool(gathers)
     if kv != torch.bfloat16:
         failures.append(f"(b) the KV cache holds {kv}, not bfloat16")
     return ro, failures
-
-
-def fast_said(first: float | None) -> str:
-    if first is None:
-        return ""
-    return f"; static cache and packed GQA, compiled in a first rollout of {first:.1f} s"
-
-
-def engines(path: str, prompts: list, a, device: torch.device) -> None:
-    """With vLLM installed: generation tokens/s of HF generate and vLLM, same prompts, bf16."""
-    from support import vllm as vllm_engine
-
-    if device.type != "cuda" or not vllm_engine.available():  # (on a CPU: bench/engine_compare.py)
-        print("vllm: not measured (needs a GPU and vLLM installed)")
-        return
-    from engine_compare import compare
-
-    r = compare(path, prompts, a.group_size, a.max_new_tokens, device, torch.bfloat16)
-    print(f"generation, same prompts and lengths: hf {r['hf']:.0f}, vllm {r['vllm']:.0f} tokens/s "
-          f"(vllm / hf {r['ratio']:.2f})")
 
 
 @contextlib.contextmanager
@@ -339,9 +301,12 @@ def gap_stats(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, cfg) 
             "max": d.abs().max().item(), "outside_clip": outside.double().mean().item()}
 
 
-def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: dict) -> list[str]:
-    """(c) and (e): the gap on the training path, one AdamW step at lr 1e-6, and its gradient norm
-    against a float32 model without FSDP or autocast."""
+def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: dict,
+                  shape) -> list[str]:
+    """(c), (d) and (e), each line printed as its figure is measured: the gap of the no-grad pass,
+    one AdamW step at lr 1e-6 (cold) with the gap of its training forward, the peak memory of each
+    phase against the plan (a GPU), a warm step, the extras, and last the gradient norm against a
+    float32 model without FSDP or autocast."""
     from config import update_settings
     from grpo import no_grad_logprobs
     from support.parallel import resharded
@@ -349,6 +314,10 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     batch.advantage = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
     lp, _ = no_grad_logprobs(model, batch, update_settings(cfg), compute, device)
     stats = gap_stats(lp, batch.behav_logp, batch.completion_mask(), cfg)
+    REPORT["gap"] = {f"no_grad_{k}": v for k, v in stats.items()}
+    print(f"(c) |behaviour − trainer| log-prob of fresh tokens, no-grad pass: mean "
+          f"{stats['mean']:.4f}, p99 {stats['p99']:.4f}, outside the clip range "
+          f"{100 * stats['outside_clip']:.3f} %", flush=True)
     # the float32 shards, as train.py's optimizer holds them: not the root's gathered bf16 copies,
     # which FSDP2 keeps after a forward (the no-grad pass above)
     params = list(resharded(model).parameters())
@@ -368,41 +337,42 @@ def update_checks(cfg, model, policy, compute, device, batch, path, a, peaks: di
     hit = sum(int(((local(params[i].detach()).cpu() != before[i]) & m).sum())
               for i, m in live.items())
     moved = hit / max(1, sum(int(m.sum()) for m in live.values()))
+    gap = metrics["rollout/logp_gap_mean"]
+    REPORT["gap"] |= {"training_forward_mean": gap,
+                      "training_forward_max": metrics["rollout/logp_gap_max"]}
+    print(f"(c) the same, training forward: mean {gap:.4f} (bound {a.max_gap_mean}), max "
+          f"{metrics['rollout/logp_gap_max']:.4f}", flush=True)
+    print(f"(e) training, the cold step: {tps:.0f} tokens/s{mfu(model, tps, a)}; one AdamW step at "
+          f"lr 1e-6 moved {100 * moved:.2f} % of the weights with a non-zero gradient (need "
+          f"≥ 99 %)", flush=True)
+    failures = [f"(c) mean gap {gap:.4f} > {a.max_gap_mean}"] * (not gap <= a.max_gap_mean)
+    failures += [f"(e) moved {100 * moved:.2f} % < 99 %"] * (moved < 0.99)
+    if shape is not None and device.type == "cuda":
+        failures += memory_check(cfg, shape, peaks, a)
     # a second update on the same batch (lr 1e-6 again): warm, with the allocator's blocks, the
     # optimizer's state and any compiled kernels already in place
     _, warm = timed_update(cfg, model, policy, optimizer, batch, device, compute)
-    REPORT["head_tf32"] = tf32_update(cfg, model, policy, optimizer, batch, device, compute, a)
-    REPORT["larger_micro_batch"] = larger_micro_batch_update(cfg, model, policy, optimizer, batch,
-                                                             device, compute, a)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    REPORT["update"] = {"tokens": int(batch.seq_len.sum()), "tokens_per_s": tps,
+                        "params": sum(p.numel() for p in params), "trained_params": trained,
+                        "moved_frac": moved, "grad_norm": metrics["grad_norm"],
+                        **mfu_figures(model, tps, a), "warm_tokens_per_s": warm,
+                        "warm": mfu_figures(model, warm, a)}
+    print(f"(e) training, a warm step: {warm:.0f} tokens/s{mfu(model, warm, a)}", flush=True)
+    if a.extras:
+        REPORT["head_tf32"] = tf32_update(cfg, model, policy, optimizer, batch, device, compute, a)
+        REPORT["larger_micro_batch"] = larger_micro_batch_update(cfg, model, policy, optimizer,
+                                                                 batch, device, compute, a)
     if a.profile:
         REPORT["profile"] = profiled_update(cfg, model, policy, optimizer, batch, device, compute)
     optimizer.state.clear()  # the reference's float32 copy fits beside the model on an 80 GB card
     model.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
     ref_norm = math.nan if a.lora else reference_grad_norm(cfg, path, batch, device)
-    rel, gap = abs(metrics["grad_norm"] / ref_norm - 1), metrics["rollout/logp_gap_mean"]
-    trained = sum(p.numel() for p in params if p.requires_grad)
-    REPORT["gap"] = {"training_forward_mean": gap,
-                     "training_forward_max": metrics["rollout/logp_gap_max"],
-                     **{f"no_grad_{k}": v for k, v in stats.items()}}
-    REPORT["update"] = {"tokens": int(batch.seq_len.sum()), "tokens_per_s": tps,
-                        "params": sum(p.numel() for p in params), "trained_params": trained,
-                        "moved_frac": moved, "grad_norm": metrics["grad_norm"],
-                        "reference_grad_norm": ref_norm, **mfu_figures(model, tps, a),
-                        "warm_tokens_per_s": warm, "warm": mfu_figures(model, warm, a)}
-    print(f"(c) |behaviour − trainer| log-prob of fresh tokens, training forward: mean {gap:.4f} "
-          f"(bound {a.max_gap_mean}), max {metrics['rollout/logp_gap_max']:.4f}; no-grad pass: "
-          f"mean "
-          f"{stats['mean']:.4f}, p99 {stats['p99']:.4f}, outside the clip range "
-          f"{100 * stats['outside_clip']:.3f} %")
-    print(f"(e) training, a warm step: {warm:.0f} tokens/s{mfu(model, warm, a)}")
-    print(f"(e) training, the cold step: {tps:.0f} tokens/s{mfu(model, tps, a)}; one AdamW step at "
-          f"lr 1e-6 moved "
-          f"{100 * moved:.2f} % of the weights with a non-zero gradient (need ≥ 99 %); grad norm "
-          f"{metrics['grad_norm']:.5g} vs the reference's {ref_norm:.5g} ({100 * rel:.2f} %, "
-          f"need ≤ {100 * a.max_grad_norm_diff:g} %)")
-    failures = [f"(c) mean gap {gap:.4f} > {a.max_gap_mean}"] * (not gap <= a.max_gap_mean)
-    failures += [f"(e) moved {100 * moved:.2f} % < 99 %"] * (moved < 0.99)
+    rel = abs(metrics["grad_norm"] / ref_norm - 1)
+    REPORT["update"]["reference_grad_norm"] = ref_norm
+    print(f"(e) grad norm {metrics['grad_norm']:.5g} vs the float32 reference's {ref_norm:.5g} "
+          f"({100 * rel:.2f} %, need ≤ {100 * a.max_grad_norm_diff:g} %)", flush=True)
     off = rel > a.max_grad_norm_diff  # (NaN under LoRA: no reference)
     return failures + [f"(e) grad norm {100 * rel:.2f} % off the reference"] * off
 
@@ -500,10 +470,9 @@ def memory_check(cfg, shape, peaks: dict, a) -> list[str]:
         REPORT["memory"][phase] = {"measured_gb": peaks[phase] / 1e9, "plan_gb": want / 1e9,
                                    "ratio": ratio}
         print(f"(d) peak memory, {phase}: {peaks[phase] / 1e9:.2f} GB, memory_plan "
-              f"{want / 1e9:.2f} GB "
-              f"({100 * ratio:+.1f} %)")
-        if ratio > 0.10:
-            failures.append(f"(d) {phase} memory {100 * ratio:+.1f} % over the plan")
+              f"{want / 1e9:.2f} GB ({100 * ratio:+.1f} %)", flush=True)
+        if abs(ratio) > 0.10:  # below too: a plan that far above what is used misleads as well
+            failures.append(f"(d) {phase} memory {100 * ratio:+.1f} % off the plan")
     return failures
 
 

@@ -218,8 +218,8 @@ def _forward_hooks_off(module) -> dict:
     """Take FSDP's forward hooks off `module` for a generation phase, returning every forward hook
     as it was: with the weights gathered the hooks have nothing to do, yet each costs host time at
     every unit and token (a review of the H200 run put them at about half of a 72 ms decode step
-    at 1.5B's shape; bench/decode_step.py measures them here). The module then runs as the plain
-    HF module over the gathered weights. Its mixed-precision input cast goes too: the HF
+    at 1.5B's shape; bench/generation.py's hooks_on arm measures them). The module then runs as
+    the plain HF module over the gathered weights. Its mixed-precision input cast goes too: the HF
     modules hand each unit bf16 hidden states and rotary tables in the hidden states' dtype (a
     test holds tokens and log-probs equal with the hooks and without, float32 and bf16)."""
     state = module._get_fsdp_state()

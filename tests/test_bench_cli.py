@@ -67,53 +67,31 @@ def work(tmp_path, monkeypatch):
     (tmp_path / "FILE").write_text("a file, not a folder\n")
     shutil.copytree(KEPT, tmp_path / "kept" / "gxpo-s0")
     (tmp_path / "record.json").write_text('{"earlier": true}\n')
-    (tmp_path / "growth.csv").write_text("step,seconds,rss_mb\n")
-    (tmp_path / "profile" / "run").mkdir(parents=True)
     return tmp_path
 
 
 # (script, arguments, what the line says): each script's bad input, one rule or two a script
 CASES = [
-    ("decode_step.py", ["--rows", "0"], "argument --rows: must be ≥ 1, got 0"),
-    ("decode_step.py", ["--repeats", "two"], "argument --repeats: must be a whole number"),
-    ("decode_step.py", ["--arms", "after,fast"], "argument --arms: unknown 'fast'; choose from"),
-    ("decode_step.py", ["--tokens", "16,16"], "argument --tokens: must be T1,T2 with T1 < T2"),
-    ("decode_step.py", ["--device", "tpu"], "argument --device: must be cpu or cuda[:N]"),
-    ("decode_step.py", ["--vocab", "100"], "--vocab 100 is below the tokenizer's 274 tokens"),
-    ("decode_step.py", ["--json", "missing/out.json"], "is in a folder that does not exist"),
-    ("decode_step.py", ["--json", "record.json"], "exists; pass --overwrite to replace it"),
-    ("decode_step.py", ["--json", ""], "--json '' is empty"),
-    ("rollout_refill.py", ["--arms", "default,fast"], "argument --arms: unknown 'fast'"),
-    ("rollout_refill.py", ["--mean-len", "-1"], "argument --mean-len: must be ≥ 1, got -1"),
-    ("rollout_refill.py", ["--rows", "10", "--group", "3"], "not a multiple of --group 3"),
-    ("rollout_refill.py", ["--json", "FILE/out.json"], "which is a file, not a folder"),
-    ("generation_memory.py", ["--arms", "before,during"], "argument --arms: unknown 'during'"),
-    ("generation_memory.py", ["--vocab", "10"], "--vocab 10 is below the tokenizer's"),
-    ("generation_memory.py", ["--json", "missing/out.json"], "a folder that does not exist"),
-    ("bench_replay.py", ["--capacity", "0"], "argument --capacity: must be ≥ 1, got 0"),
-    ("bench_replay.py", ["--strategies", "uniform,lifo"], "unknown 'lifo'; choose from"),
-    ("bench_replay.py", ["--ratio", "1.5"], "uniform: replay.ratio must be"),
-    ("bench_replay.py", ["--budget", "nan"], "argument --budget: must be finite and > 0"),
-    ("bench_verifier.py", ["--repeat", "0"], "argument --repeat: must be ≥ 1, got 0"),
-    ("bench_verifier.py", ["--data", "nowhere"], "--data nowhere: no benchmarks/math500_test"),
+    ("generation.py", ["--rows", "0"], "argument --rows: must be ≥ 1, got 0"),
+    ("generation.py", ["--repeats", "two"], "argument --repeats: must be a whole number"),
+    ("generation.py", ["--arms", "default,fast"], "argument --arms: unknown 'fast'; choose"),
+    ("generation.py", ["--tokens", "16,16"], "argument --tokens: must be T1,T2 with T1 < T2"),
+    ("generation.py", ["--device", "tpu"], "argument --device: must be cpu or cuda[:N]"),
+    ("generation.py", ["--vocab", "100"], "--vocab 100 is below the tokenizer's 274 tokens"),
+    ("generation.py", ["--mean-len", "-1"], "argument --mean-len: must be ≥ 1, got -1"),
+    ("generation.py", ["--rows", "10", "--group", "3"], "not a multiple of --group 3"),
+    ("generation.py", ["--measure", "decode"], "argument --measure: invalid choice"),
+    ("generation.py", ["--json", "missing/out.json"], "is in a folder that does not exist"),
+    ("generation.py", ["--json", "record.json"], "exists; pass --overwrite to replace it"),
+    ("generation.py", ["--json", "FILE/out.json"], "which is a file, not a folder"),
+    ("generation.py", ["--json", ""], "--json '' is empty"),
     ("budget.py", ["--root", "nowhere"], "--root nowhere: not a folder"),
-    ("engine_compare.py", ["--models", "tiny,gpt2"], "argument --models: unknown 'gpt2'"),
-    ("engine_compare.py", ["--sequences", "10", "--group-size", "4"], "not a multiple of"),
-    ("eval_spacing.py", ["nowhere"], "nowhere: not a folder"),
-    ("eval_spacing.py", [".", "--every", "0"], "argument --every: must be ≥ 1, got 0"),
     ("fingerprint.py", ["none", "fast"], "unknown case fast (--list names them)"),
     ("gpu_check.py", ["--prompts", "0"], "argument --prompts: must be ≥ 1, got 0"),
     ("gpu_check.py", ["--shape", "Qwen/Qwen9"], "--shape 'Qwen/Qwen9': not a shape of"),
     ("gpu_check.py", ["--json", "record.json"], "exists; pass --overwrite"),
-    ("logits_memory.py", ["--tokens", "16", "--prompt", "16"], "leaves no completion"),
-    ("logits_memory.py", ["--vocab", "-5"], "argument --vocab: must be ≥ 1, got -5"),
-    ("memory_growth.py", ["--steps", "50", "--warmup", "100"], "leaves no step of --steps 50"),
-    ("memory_growth.py", ["--out", "growth"], "growth.csv' exists; pass --overwrite"),
     ("memory_plan.py", ["--steps", "0"], "argument --steps: must be ≥ 1, got 0"),
     ("plot_compare.py", ["only_one.json"], "the following arguments are required: out_png"),
-    ("profile_step.py", ["--steps", "-3"], "argument --steps: must be ≥ 1, got -3"),
-    ("profile_step.py", ["--out", "profile"], "--out profile holds a run already"),
-    ("profile_step.py", ["--out", ""], "--out '' is empty"),
     ("reproduce_tiny.py", ["--names", "none", "fast"], "<name>.yaml for ['fast']"),
     ("reproduce_tiny.py", ["--jobs", "0"], "argument --jobs: must be ≥ 1, got 0"),
     ("reproduce_tiny.py", ["--seeds", "0", "0"], "--seeds names a seed twice"),
@@ -124,9 +102,7 @@ CASES = [
 ]
 NEEDS = [  # (script, arguments, the missing module, what the line says)
     ("trl_compare.py", [], "trl", "needs trl, datasets, not installed: pip install -r bench/"),
-    ("engine_compare.py", [], "vllm", "needs vllm, not installed"),
     ("plot_compare.py", ["cmp.json", "cmp.png"], "matplotlib", "needs matplotlib, not installed"),
-    ("verifier_agreement.py", [], "math_verify", "needs math_verify, not installed"),
 ]
 
 
@@ -154,7 +130,7 @@ def test_a_missing_dependency_is_found_before_any_work(work, monkeypatch, capsys
 
 
 @no_gpu
-@pytest.mark.parametrize("script", ["decode_step.py", "rollout_refill.py"])
+@pytest.mark.parametrize("script", ["generation.py"])
 def test_cuda_without_a_gpu_is_refused_before_the_model_is_built(work, monkeypatch, capsys,
                                                                    script):
     code, _, err = run_main(script, ["--device", "cuda"], monkeypatch, capsys)
@@ -162,10 +138,7 @@ def test_cuda_without_a_gpu_is_refused_before_the_model_is_built(work, monkeypat
 
 
 CASES_BY_PROCESS = [  # one per rule, as the user runs it: (script, arguments, what the line says)
-    ("decode_step.py", ["--layers", "-1"], "argument --layers: must be ≥ 0, got -1"),
-    ("rollout_refill.py", ["--vocab", "200"], "--vocab 200 is below the tokenizer's 274 tokens"),
-    ("generation_memory.py", ["--json", "missing/out.json"], "a folder that does not exist"),
-    ("bench_replay.py", ["--strategies", "uniform,lifo"], "unknown 'lifo'"),
+    ("generation.py", ["--layers", "-1"], "argument --layers: must be ≥ 0, got -1"),
     ("trl_compare.py", ["--steps", "0"], "argument --steps: must be ≥ 1, got 0"),
     ("keep_runs.py", ["kept/gxpo-s0", "--out", "kept"], "is already kept in kept"),
 ]

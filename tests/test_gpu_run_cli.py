@@ -88,10 +88,10 @@ def test_the_smallest_budget_runs_a_step_and_says_which_it_left_out(tmp_path):
     20 s by the time it started), exited 1 and said nothing: the first step has the whole budget,
     and a step left out says so."""
     out = tmp_path / "out"
-    r = gpu_run(tmp_path, "--dry-run", "--steps", "env", "tiny", "--budget", "20", "--out",
+    r = gpu_run(tmp_path, "--dry-run", "--steps", "env", "lora", "--budget", "20", "--out",
                 str(out), "--work", str(tmp_path / "work"))
-    assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]  # (not every step passed: tiny)
+    assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]  # (not every step passed: lora)
     assert "== env: passed" in r.stdout
-    assert "== tiny: not run (" in r.stdout and "under the 20 s a step needs)" in r.stdout
+    assert "== lora: not run (" in r.stdout and "under the 20 s a step needs)" in r.stdout
     steps = json.loads((out / "gpu_run.json").read_text())["steps"]
-    assert steps["env"]["status"] == "passed" and steps["tiny"]["status"] == "not run"
+    assert steps["env"]["status"] == "passed" and steps["lora"]["status"] == "not run"

@@ -17,7 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import grpo
 import rollout
-from bench.decode_step import CountOps
+from bench.generation import CountOps
 from bench.gpu_check import counting_all_gathers
 from config import update_settings
 from data.build_tiny_model import build_tokenizer

@@ -150,10 +150,6 @@ SLOW = (
     "tests/test_compare.py::test_compare_names_the_library_versions_and_refuses_to_pool_two",
     "tests/test_compare.py::test_compare_refuses_an_arm_that_measures_something_else",
     "tests/test_compare.py::test_compare_counts_each_run_once",
-    "tests/test_bench_cli.py::test_bad_input_as_the_user_runs_it[generation_memory.py]",
-    "tests/test_bench_cli.py::test_bad_input_as_the_user_runs_it[rollout_refill.py]",
-    "tests/test_bench_cli.py::test_bad_input_as_the_user_runs_it[decode_step.py]",
-    "tests/test_bench_cli.py::test_bad_input_as_the_user_runs_it[bench_replay.py]",
     "tests/test_bad_input_rules.py::test_two_runs_started_together_on_one_folder_one_runs",
     "tests/test_bad_input_env.py::test_a_path_holding_a_newline_is_refused_in_one_line",
     "tests/test_bad_input.py::test_bad_input_rlep_source_end_to_end_and_debug",
@@ -164,6 +160,7 @@ SLOW = (
     "tests/test_integrity_content.py::test_a_checkpoint_its_manifest_does_not_vouch_for_is_refused"
     "[unlisted]",
     "tests/test_bench_cli.py::test_bad_input_as_the_user_runs_it[keep_runs.py]",
+    "tests/test_bench_cli.py::test_bad_input_as_the_user_runs_it[generation.py]",
 )
 
 
