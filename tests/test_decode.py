@@ -9,9 +9,11 @@ config's rules, and a run through train.py that resumes bit for bit after SIGKIL
 import contextlib
 import functools
 import math
+import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import rollout
@@ -329,6 +331,57 @@ def test_refill_steps_between_host_reads_stop_where_the_rows_can_end():
     ro, _ = generate(model, tok, prompts, cfg, STOP)
     assert len(calls) <= 1 + 11  # one prompt pass, then at most max_new − 1 decode steps
     assert int(ro.completion_len.max()) <= 12
+
+
+class _HostReads(TorchDispatchMode):
+    """Appends "R" to `events` at each read of a tensor's value on the host (item, int, bool:
+    aten's _local_scalar_dense; on a GPU, a sync)."""
+
+    def __init__(self, events: list[str]):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.events.append("R")
+        return func(*args, **(kwargs or {}))
+
+
+def test_refill_reads_the_host_every_sync_every_steps(monkeypatch):
+    """Through rollout.generate with no end token (every row runs 12 tokens: 11 decode steps after
+    its first), 4 rows in 2 slots (a refill): the decode steps between two host reads (item, int,
+    bool, tolist) come in runs of sync_every, the last of a row's runs shorter; a larger
+    sync_every reads the host less often. Before, no test counted the reads: reading at every
+    step, or a fixed number of steps whatever sync_every, passed."""
+    tok = build_tokenizer()
+    model = qwen2(len(tok))
+    prompts = [tok("1+1=")["input_ids"], tok("2+3=")["input_ids"]]
+    events = []
+
+    def step_or_prefill(module, args, kwargs):
+        events.append("S" if "position_ids" in kwargs else "P")  # a decode step passes positions
+
+    model.register_forward_pre_hook(step_or_prefill, with_kwargs=True)
+    tolist = torch.Tensor.tolist
+
+    def read_list(x):
+        events.append("R")
+        return tolist(x)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", read_list)
+    reads = {}
+    for every, runs in ((1, [1] * 11), (3, [3, 3, 3, 2]), (5, [5, 5, 1]), (100, [11])):
+        cfg = RolloutConfig(group_size=2, max_new_tokens=12, refill=True, gen_batch_size=2,
+                            sync_every=every)
+        events.clear()
+        torch.manual_seed(0)
+        with _HostReads(events):
+            ro, _ = generate(model, tok, prompts, cfg, [])
+        assert ro.completion_len.tolist() == [12] * 4
+        decoding = "".join(events).replace("P", "").strip("R")  # first step to last
+        assert [len(run) for run in re.findall("S+", decoding)] == runs * 2, (every, decoding)
+        reads[every] = decoding.count("R")
+    assert reads[1] > reads[3] > reads[5] > reads[100] > 0
 
 
 REFILL = ("--rollout.refill=true", "--rollout.gen_batch_size=6", "--rollout.sync_every=3")

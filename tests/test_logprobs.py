@@ -93,6 +93,30 @@ def logp_tol(logp: torch.Tensor, logits: float, hidden: int, vocab: int) -> floa
     return f32_tol(logits, hidden) + f32_tol(1.0, vocab) + f32_tol(logp.abs().max().item())
 
 
+@pytest.mark.fast
+def test_f32_tol_holds_reordered_float32_sums_and_not_a_dropped_term():
+    """tests/fixtures.py's f32_tol pinned from both sides, on sums of n float32 numbers within 25 %
+    of their mean at three scales: torch's sum, a running sum (4 columns at a time) and a sum of
+    16-term chunks differ by less than f32_tol(sum, n) (16 to 16,384 terms); leaving one term out
+    of 16,384 (1.5 to 2.5 tolerances) is outside it. Before, nothing pinned it: 200 rounding steps
+    instead of 2, or a tolerance growing as n instead of √n, passed every test."""
+    g = torch.Generator().manual_seed(0)
+    for scale in (1e-3, 1.0, 1e3):
+        for n in (16, 256, 4096, 16384):
+            x = (torch.rand(2**18 // n, n, generator=g) * 0.5 + 0.75) * scale  # (draws, n)
+            whole = x.sum(1)  # (draws,)
+            tol = torch.tensor([f32_tol(s, n) for s in whole.tolist()], dtype=torch.float64)
+            running = torch.zeros_like(x[:, :4])
+            for four in x.view(len(x), -1, 4).unbind(1):  # in order, a float32 sum each time
+                running += four
+            chunks = x.view(len(x), -1, 16).sum(2).sum(1)
+            for other in (running.sum(1), chunks):
+                assert ((other.double() - whole.double()).abs() < tol).all(), (scale, n)
+            if n == 16384:  # one term left out: off by 0.75 to 1.25 of sum / n
+                dropped = x[:, 1:].sum(1)
+                assert ((dropped.double() - whole.double()).abs() > tol).all(), scale
+
+
 def test_chunked_head_equals_whole_logits_float32(monkeypatch):
     """The float32 path (what a float32 run computes): the same values, entropies and gradients as
     the whole logits, to float32 round-off derived from the magnitudes and the terms summed (a

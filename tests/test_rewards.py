@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -474,6 +475,40 @@ def test_plain_decimal_tolerance_both_ways(answer, other, tol, expected):
     """Guards the plain-number fast path's tolerance (rewards._quick_equal): a decimal is equal to
     a fraction or an integer within rel_tol of the larger, trailing zeros change nothing, and it
     holds whichever side (prediction or gold) holds the decimal."""
+    assert R.verify(B % answer, other, rel_tol=tol) is expected
+    assert R.verify(B % other, answer, rel_tol=tol) is expected
+    assert R._quick_equal(answer, other, tol) is expected
+    assert R._quick_equal(other, answer, tol) is expected
+
+
+def near_bound(value: str, rel_tol: str, factor: str, of: str) -> str:
+    """The decimal `factor` · `rel_tol` of |value| away from `value`: towards zero when `value` is
+    to be the larger in magnitude (of="larger"), away from zero when the smaller; exact decimals,
+    so a case's distance from the bound is its factor, far above float rounding."""
+    x = Decimal(value)
+    step = (Decimal(factor) * Decimal(rel_tol) * abs(x)).copy_sign(x)
+    if of == "larger":
+        return format(x - step, "f")
+    return format(x + step, "f")
+
+
+NEAR_VALUES = ("0.000001", "0.001", "1.5", "-2.5", "123456.789", "-1000000.5", "1000000000000.5")
+# (answer, other, rel_tol, equal?): 0.5, 0.99 of rel_tol of the larger inside; 1.001, 1.01, 2 out
+NEAR_BOUND = [(v, near_bound(v, t, f, "larger"), float(t), Decimal(f) < 1) for v in NEAR_VALUES
+              for t in ("1e-6", "0.001", "0.05") for f in ("0.5", "0.99", "1.001", "1.01", "2")]
+# 5.05 % of the smaller is 4.81 % of the larger (inside 5 %); 5.3 % of it is 5.03 % (outside)
+NEAR_BOUND += [(v, near_bound(v, "0.05", f, "smaller"), 0.05, f == "1.01") for v in NEAR_VALUES
+               for f in ("1.01", "1.06")]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("answer,other,tol,expected", NEAR_BOUND)
+def test_plain_decimal_tolerance_just_inside_and_outside_the_bound(answer, other, tol, expected):
+    """rewards._quick_equal's rel_tol · max(|a|, |b|), just inside and just outside at 10^-6 to
+    10^12, negatives, rel_tol 10^-6 to 0.05, both ways round and through R.verify: a looser bound
+    (twice it, rel_tol · (|a| + |b|), 1.005 times it, of the smaller instead of the larger, an
+    absolute slack of 10^-9) fails at several magnitudes. Before, the slack passed every test and
+    the others failed only at PLAIN_DECIMALS' cases on or near the bound."""
     assert R.verify(B % answer, other, rel_tol=tol) is expected
     assert R.verify(B % other, answer, rel_tol=tol) is expected
     assert R._quick_equal(answer, other, tol) is expected
