@@ -20,10 +20,10 @@ COUNTERS = {"trained_tokens": "tokens", "trained_rows": "rows", "fwd_bwd_tokens"
             "no_grad_tokens": "tokens/no_grad"}
 
 
-def log_row(p: dict, world: int, lr: float, step: int, fresh: Rollouts, batch: Rollouts,
+def log_row(p, world: int, lr: float, step: int, fresh: Rollouts, batch: Rollouts,
             update: dict, local: dict, t: dict) -> dict:
-    """One metrics line (`p` the run's progress, read only): fresh rows' statistics summed over
-    ranks, the update's metrics, this rank's own ones (advantages, verifier, replay, dynamic
+    """One metrics line (`p` the run's train.Progress, read only): fresh rows' statistics summed
+    over ranks, the update's metrics, this rank's own ones (advantages, verifier, replay, dynamic
     sampling) averaged over the `world` ranks, the learning rate, phase times."""
     n = fresh.completion_len.double()
     sums = {"tokens": n.sum(), "rows": torch.tensor(len(fresh)),
@@ -36,11 +36,11 @@ def log_row(p: dict, world: int, lr: float, step: int, fresh: Rollouts, batch: R
     keys = sorted(local)
     means = all_ranks(torch.tensor([float(local[k]) for k in keys])) / world
     row = {"step": step + 1,
-           "generated_tokens": p["generated_tokens"],
-           "tokens/trained": p["trained_tokens"],
-           "tokens/fwd_bwd": p["fwd_bwd_tokens"],
-           "tokens/no_grad": p["no_grad_tokens"],
-           "tokens/generated_total": p["generated_tokens"] + p["source_tokens"],
+           "generated_tokens": p.generated_tokens,
+           "tokens/trained": p.trained_tokens,
+           "tokens/fwd_bwd": p.fwd_bwd_tokens,
+           "tokens/no_grad": p.no_grad_tokens,
+           "tokens/generated_total": p.generated_tokens + p.source_tokens,
            "reward_mean": (s["reward"] / s["rows"]).item(),
            "correct_mean": (s["correct"] / s["rows"]).item(),
            "response_len": (s["tokens"] / s["rows"]).item(),
@@ -51,7 +51,7 @@ def log_row(p: dict, world: int, lr: float, step: int, fresh: Rollouts, batch: R
     row |= {k: v for k, v in update.items() if k not in COUNTERS.values()}
     row |= dict(zip(keys, means.tolist()))
     row["lr"] = lr
-    row |= {f"skipped/{k}": v for k, v in p["skipped"].items()}
+    row |= {f"skipped/{k}": v for k, v in p.skipped.items()}
     row |= {f"time/{k}": v for k, v in t.items()}
     row["time/step"] = sum(t.values())
     return row

@@ -12,7 +12,7 @@ import random
 import shutil
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,6 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.checkpoint import state_dict as dcp
 
-from data.loaders import problems_digest
 from support import integrity, replay_state
 from support.models import save_model
 from support.parallel import MAX, all_ranks, rank_and_world
@@ -49,27 +48,14 @@ class CheckpointConfig:
                 "keep_last": (self.keep_last >= 1, "≥ 1")}
 
 
-def new_progress(problems: list | None = None) -> dict:
-    """A run's progress at its start: what train.py counts, saved in every checkpoint (with the
-    sha256 of the training `problems`, which --resume compares)."""
-    data = None if problems is None else problems_digest(problems)
-    return {"data_sha256": data, "step": 0, "data_pos": 0, "wall": 0.0, "wandb_id": None,
-            "generated_tokens": 0, "source_tokens": 0, "trained_tokens": 0, "trained_rows": 0,
-            "fwd_bwd_tokens": 0, "no_grad_tokens": 0,
-            "versions": [],  # the library versions each start and resume ran on, once each
-            "skipped": {"nonfinite": 0, "zero_adv": 0, "gated": 0},
-            "eval_initial": {}, "eval_last": {},
-            "pending_row": None}  # a step's metrics line until it is written
-
-
-def stopped(out: Path, progress: dict, signum: int) -> None:
+def stopped(out: Path, progress, signum: int) -> None:
     """After a stop (SIGTERM, SIGINT): one note on stderr saying where --resume continues."""
     last = checkpoints(out)
     where = f"--resume continues from {last[-1].name}" if last else "no checkpoint yet"
-    if progress["pending_row"] and signum == signal.SIGTERM:
-        where += f" (with the eval of step {progress['step']}, cut short)"
+    if progress.pending_row and signum == signal.SIGTERM:
+        where += f" (with the eval of step {progress.step}, cut short)"
     name = signal.Signals(signum).name
-    print(f"\nstopped by {name} after step {progress['step']}; {where}", file=sys.stderr)
+    print(f"\nstopped by {name} after step {progress.step}; {where}", file=sys.stderr)
 
 
 def saved_at(out: Path, step: int) -> bool:
@@ -78,28 +64,29 @@ def saved_at(out: Path, step: int) -> bool:
     return bool(last) and last[-1].name == f"step_{step:06d}"
 
 
-def summary(cfg, p: dict) -> dict:
-    """summary.json of a finished run: its settings, first and last evals, counts and versions."""
+def summary(cfg, p) -> dict:
+    """summary.json of a finished run (`p`: train.Progress): its settings, first and last evals,
+    counts and versions."""
     return {"strategy": cfg.replay.strategy, "seed": cfg.seed, "steps": cfg.max_steps,
-            "eval_accuracy_initial": p["eval_initial"].get("accuracy"),
-            "eval_pass_at_k_initial": p["eval_initial"].get("pass@k"),
-            "eval_maj_at_k_initial": p["eval_initial"].get("maj@k"),
-            "eval_greedy_initial": p["eval_initial"].get("greedy"),
-            "eval_accuracy_final": p["eval_last"].get("accuracy"),
-            "eval_response_len_final": p["eval_last"].get("response_len"),
-            "eval_entropy_final": p["eval_last"].get("entropy"),
-            "eval_pass_at_k_final": p["eval_last"].get("pass@k"),
-            "eval_maj_at_k_final": p["eval_last"].get("maj@k"),
-            "eval_greedy_final": p["eval_last"].get("greedy"),
-            "generated_tokens": p["generated_tokens"],
-            "tokens_trained": p["trained_tokens"],
-            "rows_trained": p["trained_rows"],
-            "tokens_fwd_bwd": p["fwd_bwd_tokens"],
-            "tokens_no_grad": p["no_grad_tokens"],
-            "versions": p["versions"],
-            "tokens_generated_total": p["generated_tokens"] + p["source_tokens"],
-            "wall_seconds": p["wall"],
-            "skipped_updates": p["skipped"]}
+            "eval_accuracy_initial": p.eval_initial.get("accuracy"),
+            "eval_pass_at_k_initial": p.eval_initial.get("pass@k"),
+            "eval_maj_at_k_initial": p.eval_initial.get("maj@k"),
+            "eval_greedy_initial": p.eval_initial.get("greedy"),
+            "eval_accuracy_final": p.eval_last.get("accuracy"),
+            "eval_response_len_final": p.eval_last.get("response_len"),
+            "eval_entropy_final": p.eval_last.get("entropy"),
+            "eval_pass_at_k_final": p.eval_last.get("pass@k"),
+            "eval_maj_at_k_final": p.eval_last.get("maj@k"),
+            "eval_greedy_final": p.eval_last.get("greedy"),
+            "generated_tokens": p.generated_tokens,
+            "tokens_trained": p.trained_tokens,
+            "rows_trained": p.trained_rows,
+            "tokens_fwd_bwd": p.fwd_bwd_tokens,
+            "tokens_no_grad": p.no_grad_tokens,
+            "versions": p.versions,
+            "tokens_generated_total": p.generated_tokens + p.source_tokens,
+            "wall_seconds": p.wall,
+            "skipped_updates": p.skipped}
 
 
 def failure(e: BaseException, out: Path, step: int) -> RunError | None:
@@ -135,16 +122,16 @@ def intact(out: Path) -> str:
     return "no checkpoint is intact"
 
 
-def save_checkpoint(out: Path, cfg, model, tokenizer, optimizer, replay, progress: dict,
+def save_checkpoint(out: Path, cfg, model, tokenizer, optimizer, replay, progress,
                     extra: dict | None = None) -> None:
     """checkpoints/step_N of the step in `progress`; all but the last checkpoint.keep_last go.
     `extra`: {name: object with state_dict()} saved beside the buffer (prompt skipping, stages)."""
     rank, world = rank_and_world()
     state = {"replay": replay.state_dict(), "rng": rng_state(), "world": world,
-             "run": {**progress, "config": flat_dict(cfg)}}
+             "run": {**asdict(progress), "config": flat_dict(cfg)}}
     for name, obj in (extra or {}).items():
         state[name] = obj.state_dict()
-    folder = out / "checkpoints" / f"step_{progress['step']:06d}"
+    folder = out / "checkpoints" / f"step_{progress.step:06d}"
     save_model(model, tokenizer, folder, state, optimizer_state(model, optimizer))
     if rank == 0:
         for old in checkpoints(out)[: -cfg.checkpoint.keep_last]:
@@ -239,7 +226,7 @@ def find_checkpoint(out: Path, which: str, rank: int) -> tuple[Path, dict]:
     return ck, state
 
 
-def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict,
+def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress,
             extra: dict | None = None) -> tuple[str, dict]:
     """Optimizer, buffer, RNG streams and the methods in `extra` from `ck` (weights: loaded
     already); `progress` (the new run's) is read, not written. Saved by another number of
@@ -261,7 +248,7 @@ def restore(ck: Path, state: dict, cfg, model, optimizer, replay, progress: dict
         raise RunError(f"--resume: {', '.join(refused)} differ from the checkpoint's "
                        "and change what its state means")
     data = state["run"].get("data_sha256")  # (None: a checkpoint of older code)
-    if data is not None and data != progress.get("data_sha256"):
+    if data is not None and data != progress.data_sha256:
         raise RunError(f"--resume: the training data ({cfg.data.train}) is not what checkpoint "
                        f"{ck.name} was trained on (the problems' sha256 differ): restore the "
                        "file, or start a new run (another out_dir, or --overwrite)")

@@ -103,23 +103,23 @@ class RunFolder:
         except OSError as e:
             raise RunError(f"out_dir {self.out} is not writable: {e.strerror or e}") from None
 
-    def open_log(self, cfg, progress: dict, resumed: bool) -> tuple:
+    def open_log(self, cfg, step: int, wandb_id: str | None, resumed: bool) -> tuple:
         """config.yaml, metrics.jsonl (on resume: both written aside, the metrics cut back to the
-        checkpoint's step), the wandb run: returns (metrics open for appending, the wandb run or
-        None)."""
+        checkpoint's `step`), the wandb run (a resume continues `wandb_id`): returns (metrics open
+        for appending, the wandb run or None)."""
         if self.rank:
             return None, None
         config = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
         path = self.out / "metrics.jsonl"
         if resumed:  # lines after the checkpoint will be written again; a line cut by a kill goes
-            kept = cut_back(path, progress["step"])
+            kept = cut_back(path, step)
             self.pending = [self.out / ".tmp_metrics.jsonl", self.out / ".tmp_config.yaml"]
             for tmp, text in zip(self.pending, (kept, config)):
                 write_synced(tmp, text)
             path = self.pending[0]
         else:
             write_file(self.out / "config.yaml", config)
-        return open(path, "a"), start_wandb(cfg, self.out, progress)
+        return open(path, "a"), start_wandb(cfg, self.out, wandb_id)
 
     def step_done(self, saved: bool) -> None:
         """After a step: the run --overwrite set aside goes; once a checkpoint is `saved`, a
@@ -217,18 +217,16 @@ def cut_back(path: Path, step: int) -> str:
     return "".join(kept)
 
 
-def start_wandb(cfg, out: Path, progress: dict):
-    """The wandb run (None when off); a resumed run continues its own (progress["wandb_id"])."""
+def start_wandb(cfg, out: Path, run_id: str | None):
+    """The wandb run (None when off); a resumed run continues its own (`run_id`)."""
     if cfg.wandb.mode == "disabled":
         return None
     import wandb
 
     w = cfg.wandb
     strategy = cfg.replay.strategy
-    run_id = progress["wandb_id"]
     run = wandb.init(project=w.project, group=w.group or None,
                      name=w.name or f"{strategy}-s{cfg.seed}", tags=[strategy],
                      config=flat_dict(cfg), dir=str(out), mode=w.mode, id=run_id,
                      resume="allow" if run_id else None)
-    progress["wandb_id"] = run.id
     return run

@@ -71,7 +71,7 @@ def generate_(*a, **k):
     finally:
         state["on"] = False
 def run_eval_(r):
-    state["on"] = phase == "eval" and r.progress["step"] == at
+    state["on"] = phase == "eval" and r.progress.step == at
     state["eval"] = True
     try:
         return real_eval(r)
