@@ -35,6 +35,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -167,7 +168,8 @@ def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]
     with a checkpoint each, --resume for a third, then final/ through from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    out = work / "run"
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="run_", dir=work))  # its own: two checks never share one
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            str(REPO / "train.py"), "--config", BASE, *run_args(path, a), f"--out_dir={out}",
            "--data.train=tiny", "--data.eval=tiny", "--data.data_dir=", "--eval.n=4", "--eval.k=1",
@@ -180,7 +182,7 @@ def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]
         r = subprocess.run([*cmd, f"--max_steps={steps}", *extra], cwd=REPO, env=env,
                            capture_output=True, text=True, check=False)
         if r.returncode != 0:
-            tail = " ".join(r.stderr.strip().splitlines()[-1:])[:200]
+            tail = said(r.stderr)
             print(f"(a) torchrun train.py --max_steps={steps} {' '.join(extra)}: exit "
                   f"{r.returncode}: {tail}")
             return [f"(a) train.py under torchrun exited {r.returncode}"]
@@ -196,6 +198,14 @@ def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]
           f"checkpoints {checkpoints}, final/ loads ({type(model).__name__}, "
           f"{next(model.parameters()).dtype}) in {time.time() - t0:.0f} s")
     return failures
+
+
+def said(stderr: str) -> str:
+    """What a failed train.py said: its last line naming an error, not torchrun's summary."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip().strip("=-")]
+    errors = [ln for ln in lines if "error" in ln.lower() and "ChildFailedError" not in ln]
+    found = errors or lines or [""]
+    return found[-1][:300]
 
 
 def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
