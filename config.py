@@ -389,6 +389,20 @@ def check_rules(cfg: Config, rules: list[tuple[str, bool, str]]) -> None:
             raise ConfigError(f"{key} must be {rule}, got {_repr.repr(_get(cfg, key))}")
 
 
+def check_flags(values: dict[str, tuple[str, object]]) -> None:
+    """A command other than train.py (eval.py) checks its flags by the config's own rules:
+    `values` maps a dotted key to (the flag that gives it, its value). ConfigError, naming the
+    flag, for the first that breaks its key's rule."""
+    cfg = Config()
+    for key, (_, value) in values.items():
+        section, _, name = key.rpartition(".")
+        setattr(_get(cfg, section), name, value)
+    for key, ok, rule in _rules(cfg):
+        if key in values and not ok:
+            flag = values[key][0]
+            raise ConfigError(f"{flag} must be {rule}, got {_repr.repr(_get(cfg, key))}")
+
+
 def _get(cfg: Config, key: str):
     """The value of a dotted key ("" = cfg itself)."""
     for part in filter(None, key.split(".")):

@@ -29,9 +29,9 @@ import torch
 from tqdm import tqdm
 
 import rewards
-from config import DataConfig
+from config import ConfigError, DataConfig, check_flags
 from data.loaders import NAMED, Problem, load_problems
-from rollout import MIN_TEMPERATURE, RolloutConfig, make_sampler
+from rollout import RolloutConfig, make_sampler
 from analysis import compare
 from support import parallel
 from support.checks import MAX_EVAL_SAMPLES, MAX_STEP_TOKENS
@@ -185,23 +185,24 @@ def default_out_dir(model: str) -> Path:
     return run / "eval" / "_".join(path.relative_to(run).parts)
 
 
+FLAGS = {"eval.k": "k", "eval.temperature": "temperature", "eval.top_p": "top_p",
+         "rollout.max_new_tokens": "max_new_tokens", "rollout.gen_batch_size": "batch_size",
+         "data.template": "template", "seed": "seed"}
+"""eval.py's arguments that set a config key: the key -> the argument."""
+
+
 def check_args(args) -> Path:
     """Refuses bad values, and outputs that exist or are not regular files, before anything
     loads; returns the output folder."""
-    tokens = args.max_new_tokens
-    checks = [(args.k >= 1, f"--k must be ≥ 1, got {args.k}"),
-              (args.limit is None or args.limit >= 1, "--limit must be ≥ 1"),
-              (tokens >= 1, f"--max-new-tokens must be ≥ 1, got {tokens}"),
-              (args.batch_size >= 1, f"--batch-size must be ≥ 1, got {args.batch_size}"),
-              (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < 1e6,
-               (f"--temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 1e6), got "
-                f"{args.temperature}")),
-              (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
-              ("{problem}" in args.template, "--template must contain {problem}"),
-              (0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")]
-    for ok, msg in checks:
-        if not ok:
-            raise BadInput(msg)
+    flags = {}
+    for key, name in FLAGS.items():
+        flags[key] = ("--" + name.replace("_", "-"), getattr(args, name))
+    try:
+        check_flags(flags)  # config.py's rules for the keys these flags set
+    except ConfigError as e:
+        raise BadInput(str(e)) from None
+    if args.limit is not None and args.limit < 1:
+        raise BadInput(f"--limit must be ≥ 1, got {args.limit}")
     for flag, path, suffix in (("--out-dir", args.out_dir, "/results.json"),
                                ("--save-correct", args.save_correct, ".meta.json")):
         fault = path_fault(path + suffix) if path is not None else None

@@ -796,7 +796,7 @@ def test_model_folder_code_does_not_run_by_default(tmp_path):
 @needs_model
 @pytest.mark.parametrize("args, message", [
     (["--k", "0"], "--k must be ≥ 1, got 0"), (["--k", "-3"], "--k must be ≥ 1, got -3"),
-    (["--template", "Q: {question}"], "--template must contain {problem}"),
+    (["--template", "Q: {question}"], "--template must be text containing {problem}"),
     (["--out-dir", "A_FILE"], "is a file"), (["--model", "BROKEN"], "cannot load model"),
 ])
 def test_eval_bad_input_is_one_line(tmp_path, args, message):
