@@ -303,10 +303,12 @@ def tracking(model, live: LiveBytes):
 
 
 def compile_counters() -> dict:
-    """torch's compile counters that say what compiled: graphs, graph breaks, recompiles and
-    inductor's CUDA-graph counters (skips, re-records)."""
+    """torch's compile counters that say what compiled: seconds compiling, graphs, graph breaks,
+    recompiles and inductor's CUDA-graph counters (skips, re-records)."""
     counters = torch._dynamo.utils.counters
-    found = {"graph_breaks": sum(counters["graph_break"].values())}
+    times = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    found = {"compile_seconds": sum(times.get("_compile.compile_inner", [])),
+             "graph_breaks": sum(counters["graph_break"].values())}
     for group in ("stats", "inductor"):
         for key, value in counters[group].items():
             if "graph" in key or "recompil" in key:
