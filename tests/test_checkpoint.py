@@ -442,6 +442,31 @@ def run_in_process(out: Path, *args: str, steps: int = 2) -> list[dict]:
 
 
 @needs_model
+def test_only_train_py_writes_the_progress(tmp_path, monkeypatch):
+    """#57: the run's progress (train.Progress, what a checkpoint saves) is written by train.py
+    alone: every field set outside its construction, in a run with an eval and a checkpoint each
+    step, a wandb run (offline) and a --resume, is set by code in train.py."""
+    writers = set()
+    real = train.Progress.__setattr__
+
+    def recording(self, name, value):
+        caller = sys._getframe(1).f_code
+        if caller.co_name != "__init__":  # (the dataclass's own, under replace() too)
+            writers.add(Path(caller.co_filename).name)
+        real(self, name, value)
+
+    monkeypatch.setattr(train.Progress, "__setattr__", recording)
+    out = tmp_path / "run"
+    args = ["--checkpoint.every=1", "--eval.every=1", "--wandb.mode=offline"]
+    run_in_process(out, *args)
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"),
+                      TINY[2:] + [f"--out_dir={out}", "--max_steps=3", *args])
+    assert train.train(cfg, resume="") == 0
+    assert len(metrics(out)) == 3
+    assert writers == {"train.py"}, writers
+
+
+@needs_model
 def test_all_zero_advantages_skip_every_update(tmp_path):
     m = run_in_process(tmp_path / "run", "--reward.correct=0", "--reward.wrong=0",
                        "--reward.no_answer=0")
