@@ -466,6 +466,7 @@ def test_only_train_py_writes_the_progress(tmp_path, monkeypatch):
     assert writers == {"train.py"}, writers
 
 
+@pytest.mark.fast  # (the fast tier's only catch of an optimizer step without signal: #59)
 @needs_model
 def test_all_zero_advantages_skip_every_update(tmp_path):
     m = run_in_process(tmp_path / "run", "--reward.correct=0", "--reward.wrong=0",
