@@ -3,8 +3,10 @@ then be recomputed from the repository, and extended by seeds run later on the s
 
   python bench/keep_runs.py runs/repro/none-s0 runs/repro/sfpo-s0 ... --out docs/kept_runs/lookahead
 
-For each run folder it writes OUT/<name>/: config.yaml and summary.json as they are, and
-metrics.jsonl cut to its eval rows (and the last row) with the keys analysis/compare_io.py reads.
+For each run folder it writes OUT/<name>/: config.yaml and summary.json as they are,
+metrics.jsonl cut to its eval rows (and the last row) with the keys analysis/compare_io.py reads,
+and steps.jsonl: every step's method state (lookahead/*, optim/*, skipped/*), which claims about
+a run's steps rest on (when SFPO stopped, on which steps GXPO moved, the passes each step took).
 A run without summary.json (unfinished) is refused. A kept run is never replaced without
 --overwrite (OUT may hold committed runs of the same name), and two runs of one name are refused:
 they would be kept in one folder. Every run is read before anything is written.
@@ -23,13 +25,15 @@ from analysis.compare_io import NUMBERS, read_run  # the keys the comparison rea
 from bench import cli
 
 KEPT = {"step", *NUMBERS}
-FILES = ("config.yaml", "summary.json", "metrics.jsonl")
+STEP_KEYS = ("lookahead/", "optim/", "skipped/")  # steps.jsonl's: every step's, by prefix
+FILES = ("config.yaml", "summary.json", "metrics.jsonl", "steps.jsonl")
+READ = FILES[:3]  # (a run folder has no steps.jsonl: it is made here)
 
 
 def kept_rows(run: Path) -> list[dict]:
     """The rows of `run`'s metrics.jsonl that are kept: its eval rows and its last, each cut to
     KEPT; ValueError or OSError naming the file when the run is not a finished, readable one."""
-    for name in FILES:
+    for name in READ:
         if not (run / name).is_file():
             raise ValueError(f"{run} is not a finished run (no {name})")
     _, _, rows = read_run(run)  # every field the comparison reads, checked
@@ -37,16 +41,26 @@ def kept_rows(run: Path) -> list[dict]:
     for i, row in enumerate(rows):
         if "eval/accuracy" in row or i == len(rows) - 1:
             kept.append({k: v for k, v in row.items() if k in KEPT})
-    return kept
+    return kept, [step_state(row) for row in rows]
 
 
-def keep(run: Path, rows: list[dict], out: Path) -> None:
-    """Write the kept files of `run` into `out`."""
+def step_state(row: dict) -> dict:
+    """A metrics row's step and method state (STEP_KEYS)."""
+    state = {"step": row.get("step")}
+    for key, value in row.items():
+        if key.startswith(STEP_KEYS):
+            state[key] = value
+    return state
+
+
+def keep(run: Path, rows: tuple[list[dict], list[dict]], out: Path) -> None:
+    """Write the kept files of `run` into `out`: its kept eval rows and every step's state."""
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.yaml", "summary.json"):
         shutil.copyfile(run / name, out / name)
-    lines = [json.dumps(row) for row in rows]
-    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    for name, kept in zip(("metrics.jsonl", "steps.jsonl"), rows):
+        lines = [json.dumps(row) for row in kept]
+        (out / name).write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(str(e))
     for target, run in targets.items():
         keep(run, rows[target], target)
-        print(f"{run} -> {target} ({len(rows[target])} rows)")
+        print(f"{run} -> {target} ({len(rows[target][0])} rows, {len(rows[target][1])} steps)")
 
 
 if __name__ == "__main__":

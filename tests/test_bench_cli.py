@@ -165,6 +165,8 @@ def run_named(root: Path, name: str) -> Path:
     shutil.copytree(KEPT, run)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rows[1]["eval/accuracy"] = 0.123456
+    for row in rows:  # a step's method state, which steps.jsonl keeps (and no other key)
+        row["lookahead/active"] = float(row["step"] == 10)
     (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return run
 
@@ -181,8 +183,10 @@ def test_keep_runs_never_replaces_a_kept_run_without_overwrite(work, monkeypatch
     assert snapshot(work / "kept") == before
     code, out, _ = run_main("keep_runs.py", [str(run), "--out", "kept", "--overwrite"],
                             monkeypatch, capsys)
-    assert code == 0 and "-> kept/gxpo-s0 (15 rows)" in out
+    assert code == 0 and "-> kept/gxpo-s0 (15 rows, 15 steps)" in out
     assert '"eval/accuracy": 0.123456' in (work / "kept" / "gxpo-s0" / "metrics.jsonl").read_text()
+    steps = (work / "kept" / "gxpo-s0" / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in steps][1] == {"step": 20, "lookahead/active": 0.0}
 
 
 def test_keep_runs_refuses_two_runs_of_one_name(work, monkeypatch, capsys):
