@@ -123,7 +123,7 @@ class Run:
     sampler: object = None  # rollout.HFSampler, or support/vllm.py's VLLMSampler
     rollout: object = None  # the rollout phase (compose_rollout): one_round, or DAPO's rounds
     choose: object = None  # the next prompts: data.loaders.next_prompts, or GRESO's skipping
-    sample: object = None  # a round's generate-and-reward: plain_sample, or staged rollouts
+    complete: object = None  # a round's generate-and-reward: plain_complete, or staged rollouts
     update: object = None  # the update phase: grpo.update_policy, or a method that replaces it
     methods: dict = field(default_factory=dict)  # the methods that are on and keep state: saved
     observers: list = field(default_factory=list)  # methods on that learn from each rollout
@@ -199,8 +199,8 @@ def build(cfg: Config, resume: str | None, out: Path, rank: int, world: int) -> 
         raise RunError(f"replay: {oneline(e)}") from None
     # The phases, each plain GRPO's or a method's that replaces or wraps it (methods/__init__.py)
     r.generators = [replay.gen]  # put back when a stop rewinds a step's rollout
-    r.choose, r.sample, r.rollout = compose_rollout(
-        cfg, len(prompts), tokenizer.pad_token_id, functools.partial(one_round, r), plain_sample,
+    r.choose, r.complete, r.rollout = compose_rollout(
+        cfg, len(prompts), tokenizer.pad_token_id, functools.partial(one_round, r), plain_complete,
         r.methods, r.observers, r.generators)
     r.update = compose_update(cfg, r.methods)
     if ck:
@@ -422,12 +422,12 @@ def one_round(r: Run, step: int, t: dict, rnd: int = 0, rounds: int = 1) -> tupl
     group0 = (step * rounds + rnd) * n  # counts[i] completions of idx[i] in group group0 + i
     key = ("train", cfg.seed, step, rnd, r.rank)  # an engine's seeds
     generate = functools.partial(generate_and_reward, r, idx, step, group0, t=t)
-    fresh, metrics = r.sample(generate, counts, key)
+    fresh, metrics = r.complete(generate, counts, key)
     generated = int(all_ranks(float(fresh.completion_len[~fresh.replayed].sum())))
     return fresh, metrics, generated, mine
 
 
-def plain_sample(generate, counts: list[int], key: tuple) -> tuple[Rollouts, dict]:
+def plain_complete(generate, counts: list[int], key: tuple) -> tuple[Rollouts, dict]:
     """counts[i] completions of each prompt, rewarded, and the verifier's metrics: one call of
     `generate` (staged rollouts, methods/stages.py, replace it)."""
     return generate(counts, key)

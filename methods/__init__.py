@@ -55,14 +55,14 @@ def compose_update(cfg, methods: dict):
     return grpo.update_policy
 
 
-def compose_rollout(cfg, n_prompts: int, pad: int, one_round, plain_sample, methods: dict,
+def compose_rollout(cfg, n_prompts: int, pad: int, one_round, plain_complete, methods: dict,
                     observers: list, generators: list) -> tuple:
-    """(choose, sample, rollout): the next prompts (the data order, or GRESO's skipping), a round's
-    generate-and-reward (`plain_sample`, or staged rollouts) and the rollout phase (`one_round`,
-    or DAPO's rounds of it). The methods that are on join `methods` (checkpoints), `observers`
-    when they learn from each step's final rollout, `generators` when a stop must put back
-    their RNG."""
-    choose, sample, rollout = next_prompts, plain_sample, one_round
+    """(choose, complete, rollout): the next prompts (the data order, or GRESO's skipping), a
+    round's generate-and-reward (`plain_complete`, or staged rollouts) and the rollout phase
+    (`one_round`, or DAPO's rounds of it). The methods that are on join `methods` (checkpoints),
+    `observers` when they learn from each step's final rollout, `generators` when a stop must put
+    back their RNG."""
+    choose, complete, rollout = next_prompts, plain_complete, one_round
     if cfg.skip.enabled:
         skip = PromptSkip(cfg.skip, n_prompts, cfg.seed)  # the same state on every rank
         choose = skip.choose
@@ -71,9 +71,9 @@ def compose_rollout(cfg, n_prompts: int, pad: int, one_round, plain_sample, meth
         generators.append(skip.gen)
     if cfg.stages.first > 0:
         stages = Stages(cfg.stages, pad)
-        sample = stages.sample
+        complete = stages.complete
         methods["stages"] = stages
         observers.append(stages)
     if cfg.rollout.dynamic_sampling:
         rollout = Dynamic(one_round, cfg.rollout.dynamic_sampling, pad)
-    return choose, sample, rollout
+    return choose, complete, rollout

@@ -1,6 +1,6 @@
 """Staged rollouts: generate a few samples per prompt first, and the rest only where they can
 teach. The idea is AR3PO's (2025); it publishes no code, stage sizes or cap, so the rule here is
-ours. `Stages.sample` wraps a step's generate-and-reward (train.py composes it at set-up when
+ours. `Stages.complete` wraps a step's generate-and-reward (train.py composes it at set-up when
 stages.first > 0): it asks `next_counts` how many more samples each prompt gets, generates them,
 verifies them, and asks again until every count is 0.
 
@@ -100,7 +100,7 @@ def metrics(correct: list[list[bool]], G: int) -> dict[str, float]:
 
 
 class Stages:
-    """Staged sampling of one step's prompts (`sample`) and, per prompt, the latest verified
+    """Staged sampling of one step's prompts (`complete`) and, per prompt, the latest verified
     success this rank generated (`stored`), which an unsolved prompt takes after
     the last stage. That row keeps its behaviour log-probs and is marked replayed and off-policy,
     so the loss corrects it as any replayed row (grpo.py, departure 1)."""
@@ -110,19 +110,19 @@ class Stages:
         self.pad_id = pad_id
         self.stored = {}  # prompt index -> its latest verified-correct fresh row (a 1-row Rollouts)
 
-    def sample(self, generate, counts: list[int], key: tuple) -> tuple[Rollouts, dict]:
+    def complete(self, generate, counts: list[int], key: tuple) -> tuple[Rollouts, dict]:
         """The step's rows in stages: `generate(todo, key)` (train.py: generate and reward
         todo[i] completions of each prompt, an engine's seeds from key) for g1 samples per prompt,
         then for what `next_counts` asks until no rank has any left; then a stored success for
         each unsolved prompt. Returns the rows and the rollout's metrics (the verifier's over the
         stages, and stages/*). The stages run on every rank together (generation may be
         collective)."""
-        parts, said = [], []
+        parts, stage_metrics = [], []
         todo = self._unless_done(next_counts([[]] * len(counts), counts, self.cfg.first))
         while todo is not None:
             fresh, verifier = generate(todo, (*key, len(parts)))
             parts.append(fresh)
-            said.append((verifier, len(fresh)))
+            stage_metrics.append((verifier, len(fresh)))
             done = Rollouts.cat(parts, self.pad_id)
             seen = outcomes(done.correct, done.group, _first_group(done, len(counts)))
             todo = self._unless_done(next_counts(seen, counts, self.cfg.first))
@@ -131,7 +131,7 @@ class Stages:
         last = metrics(seen, max(counts, default=1))
         taken = self.take(fresh)
         last["stages/stored_taken"] = float(len(taken))
-        return Rollouts.cat([fresh, taken], self.pad_id), _merge(said) | last
+        return Rollouts.cat([fresh, taken], self.pad_id), _merge(stage_metrics) | last
 
     @staticmethod
     def _unless_done(todo: list[int]) -> list[int] | None:
@@ -189,12 +189,12 @@ def _first_group(rows: Rollouts, n: int) -> list[int]:
     return list(range(first, first + n))
 
 
-def _merge(said: list[tuple[dict, int]]) -> dict:
+def _merge(stage_metrics: list[tuple[dict, int]]) -> dict:
     """The verifier's metrics of several calls: shares weighted by rows, counts and seconds
     added."""
-    rows = max(1, sum(n for _, n in said))
+    rows = max(1, sum(n for _, n in stage_metrics))
     out = {}
-    for metrics, n in said:
+    for metrics, n in stage_metrics:
         for k, v in metrics.items():
             share = k.endswith("_frac")
             out[k] = out.get(k, 0.0) + v * n / rows if share else out.get(k, 0.0) + v

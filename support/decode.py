@@ -123,12 +123,12 @@ def check_model(model) -> None:
 
 
 @torch.no_grad()
-def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: int, slots: int,
+def decode(model, prompts: list[list[int]], distribution, stop: list[int], max_new: int, slots: int,
            sync_every: int, seed: int, should_stop,
            compiled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Completions of each prompt in `prompts` (a row per entry), `slots` at a time: tokens,
     behaviour log-probs and entropies (R, max_new) each, on the model's device; a row's entries
-    after its first end token are padding (token −1, 0). `sample(logits (S, V))` gives the
+    after its first end token are padding (token −1, 0). `distribution(logits (S, V))` gives the
     sampling logits z, their log-softmax, its entropy and which rows were finite
     (rollout.sampling_distribution). `should_stop()` is asked before every step: True ends the
     call with None."""
@@ -163,7 +163,7 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
             r, ids, prompt_cache, last = queue.take()
             cache.write_prompt(prompt_cache, s)
             rows = torch.tensor([r], device=device)
-            first = out.put(rows, zero, *_sampled(last, sample, noise_seed, rows, zero))
+            first = out.put(rows, zero, *_sampled(last, distribution, noise_seed, rows, zero))
             if bool(torch.isin(first, stop_ids).any()) or max_new == 1:
                 free.append(s)  # ended at its first token: the slot takes the next row
                 continue
@@ -179,8 +179,8 @@ def decode(model, prompts: list[list[int]], sample, stop: list[int], max_new: in
             cache.pos = state.pos
             if compiled:  # a new replay of the CUDA graphs, whose outputs the next overwrites
                 torch.compiler.cudagraph_mark_step_begin()
-            drawn = step(model, cache, key, state.token, state.pos, state.row, state.t, sample,
-                         noise_seed)
+            drawn = step(model, cache, key, state.token, state.pos, state.row, state.t,
+                         distribution, noise_seed)
             nxt = out.put(state.row, state.t, *drawn)
             state.advance(nxt, torch.isin(nxt, stop_ids) | (state.t + 1 >= max_new), R, length)
     if not bool(out.finite):
@@ -233,7 +233,7 @@ class _Queue:
         return r, ids, prompt_cache, last
 
 
-def _step(model, cache, key: str, token: Tensor, pos: Tensor, row: Tensor, t: Tensor, sample,
+def _step(model, cache, key: str, token: Tensor, pos: Tensor, row: Tensor, t: Tensor, distribution,
           seed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One decode step of every slot: the model's forward on each slot's token at its position
     (K and V written at `cache.pos`), then the next tokens (S,) drawn, their log-probs (S,), the
@@ -241,7 +241,7 @@ def _step(model, cache, key: str, token: Tensor, pos: Tensor, row: Tensor, t: Te
     mask = torch.arange(cache.length, device=pos.device)[None] <= pos[:, None]  # (S, length)
     out = model(input_ids=token[:, None], position_ids=pos[:, None],
                 attention_mask=mask[:, None, None], use_cache=True, **{key: cache})
-    return _sampled(out.logits[:, -1], sample, seed, row, t)
+    return _sampled(out.logits[:, -1], distribution, seed, row, t)
 
 
 _COMPILED = {}
@@ -265,10 +265,10 @@ def _compiled_step(device: torch.device):
     return _COMPILED[mode]
 
 
-def _sampled(logits: Tensor, sample, seed, rows: Tensor, t: Tensor) -> tuple:
+def _sampled(logits: Tensor, distribution, seed, rows: Tensor, t: Tensor) -> tuple:
     """Each slot's next token drawn from `logits` (S, V) (Gumbel-max), its log-prob, the
     distribution's entropy (S,) each, and whether every logit was finite."""
-    z, lp, ent, finite = sample(logits)  # (S, V), (S, V), (S,), (S, 1)
+    z, lp, ent, finite = distribution(logits)  # (S, V), (S, V), (S,), (S, 1)
     nxt = (z + gumbel(seed, rows, t, z.shape[1])).argmax(-1)  # (S,)
     return nxt, lp.gather(1, nxt[:, None]).squeeze(1), ent, finite.all()
 

@@ -104,8 +104,8 @@ def rows(prompt: list[int], correct: list[bool], group: int, step: int = 0) -> R
 
 
 def run_stages(st: Stages, sample, counts: list[int], key: tuple):
-    """Stages.sample over a stand-in `sample(todo, key)`."""
-    return st.sample(sample, counts, key)
+    """Stages.complete over a stand-in `sample(todo, key)`."""
+    return st.complete(sample, counts, key)
 
 
 def test_stage_unsolved_prompt_takes_its_stored_success_off_policy():
