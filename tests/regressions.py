@@ -65,7 +65,7 @@ REGRESSIONS = {
         "train.py", 'group["lr"] = get_lr(step, cfg)', 'group["lr"] = cfg.optim.lr',
         "warm-up and cosine decay ignored", "tests/test_train.py tests/test_grpo.py"),
     "generated_not_counted": (
-        "train.py", 'p["generated_tokens"] += generated', 'p["generated_tokens"] += 0',
+        "train.py", "p.generated_tokens += generated", "p.generated_tokens += 0",
         "generated tokens not counted (the budget every comparison rests on)",
         "tests/test_train.py tests/test_smoke.py"),
     "observers_skipped": (
