@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 import train
 from support.checkpoint import checkpoints
 from config import load_config, validate
+from grpo import get_lr
 from replay import ReplayConfig, make_replay
 from batch import Rollouts
 from support import checkpoint
@@ -441,6 +442,19 @@ def run_in_process(out: Path, *args: str, steps: int = 2) -> list[dict]:
     return metrics(out)
 
 
+@pytest.mark.fast  # (#59: the fast tier's catch of a loop that skips the methods' observe)
+@needs_model
+def test_the_methods_that_learn_from_a_rollout_see_each_one(tmp_path):
+    """GRESO's prompt skipping and staged rollouts learn from each step's final rollout (train.py
+    calls their observe): after two steps the checkpoint holds GRESO's visits of the prompts it
+    saw and stages' stored successes (the tiny model solves some problems in every step)."""
+    out = tmp_path / "run"
+    run_in_process(out, "--skip.enabled=true", "--stages.first=2", "--checkpoint.every=1")
+    state = torch.load(out / "checkpoints" / "step_000002" / "state_rank0.pt", weights_only=True)
+    assert int(state["skip"]["visits"].sum()) > 0
+    assert len(state["stages"]["prompts"]) > 0
+
+
 @needs_model
 def test_only_train_py_writes_the_progress(tmp_path, monkeypatch):
     """#57: the run's progress (train.Progress, what a checkpoint saves) is written by train.py
@@ -469,9 +483,13 @@ def test_only_train_py_writes_the_progress(tmp_path, monkeypatch):
 @pytest.mark.fast  # (the fast tier's only catch of an optimizer step without signal: #59)
 @needs_model
 def test_all_zero_advantages_skip_every_update(tmp_path):
+    """No update when no advantage is non-zero; the learning rate each step is get_lr's (the
+    warm-up's: a constant rate would not be)."""
     m = run_in_process(tmp_path / "run", "--reward.correct=0", "--reward.wrong=0",
                        "--reward.no_answer=0")
     assert [r["skipped/zero_adv"] for r in m] == [1, 2] and m[-1]["skipped/nonfinite"] == 0
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), TINY[2:] + ["--max_steps=2"])
+    assert [r["lr"] for r in m] == [get_lr(0, cfg), get_lr(1, cfg)] != [cfg.optim.lr] * 2
     w0, w1 = weights(MODEL), weights(tmp_path / "run" / "final")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
