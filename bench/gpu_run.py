@@ -4,9 +4,9 @@ H200, step after step, each under its own time cap so that a slow step cannot ea
 comes: a step cut by its cap keeps the figures it printed).
 
   python bench/gpu_run.py --dry-run --out /tmp/gpu_dry   # every step on a CPU at toy sizes
-  python bench/gpu_run.py --steps env generation --budget 270 --out docs/gpu/h100   # call 1
-  python bench/gpu_run.py --steps full --budget 240 --out docs/gpu/h100/full        # call 2
-  python bench/gpu_run.py --steps lora --budget 180 --out docs/gpu/h100/lora   # if time is left
+  python bench/gpu_run.py --steps env generation --budget 270 --out $OUT/call1   # call 1
+  python bench/gpu_run.py --steps full --budget 240 --out $OUT/call2              # call 2
+  python bench/gpu_run.py --steps lora --budget 180 --out $OUT/call3   # if time is left
 
 The plan for 15 minutes of one H100 (the device's start, 1-3 minutes, counts): call 1 (the
 principal target, ≤ 270 s), call 2 (≤ 240 s), then either a rerun of a failed call or `lora`
@@ -73,6 +73,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="every step on a CPU at toy sizes")
     ap.add_argument("--steps", nargs="+", default=list(CAPS), choices=list(CAPS))
     ap.add_argument("--budget", type=seconds, default=550, help="seconds for all steps together")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the gpu_run.json and gpu_run.log --out holds")
     ap.add_argument("--extras", action="store_true",
                     help="full: also the TF32 head, a 4x micro-batch and a profile")
     ap.add_argument("--rank-check", action="store_true", help=argparse.SUPPRESS)  # torchrun's child
@@ -97,6 +99,9 @@ def folders(a) -> Report:
     """The scratch folder, then the output folder and its report, or one line on stderr and exit
     2. A dry run without --out writes to a new temporary folder."""
     out = a.out or "docs/gpu"
+    for name in ("gpu_run.json", "gpu_run.log"):  # an earlier run's record: never replaced unasked
+        if a.out is not None and (Path(out) / name).exists() and not a.overwrite:
+            fail(f"--out {out} holds a run's {name}; pass --overwrite to replace it")
     try:
         Path(a.work).mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -47,6 +47,24 @@ def test_a_dry_run_never_replaces_the_gpu_record(tmp_path):
     assert r.returncode == 0 and (tmp_path / "mine" / "gpu_run.json").is_file()
 
 
+def test_out_never_replaces_an_earlier_record_unasked(tmp_path):
+    """A run with --out naming a folder that holds a record (docs/gpu's, or a call run before):
+    refused in one line with nothing changed (it was replaced, the log emptied first); with
+    --overwrite it is replaced."""
+    record = tmp_path / "record"
+    record.mkdir()
+    (record / "gpu_run.json").write_text('{"dry_run": false, "device": "NVIDIA H200"}\n')
+    before = files(record)
+    r = gpu_run(tmp_path, "--dry-run", "--steps", "env", "--out", str(record), "--work",
+                str(tmp_path / "work"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, (r.stdout + r.stderr)[-3000:]
+    assert "holds a run's gpu_run.json; pass --overwrite to replace it" in r.stderr
+    assert files(record) == before
+    r = gpu_run(tmp_path, "--dry-run", "--steps", "env", "--out", str(record), "--work",
+                str(tmp_path / "work"), "--overwrite")
+    assert r.returncode == 0 and '"dry_run": true' in (record / "gpu_run.json").read_text()
+
+
 BAD = [  # (arguments, what the line says)
     (["--steps"], "argument --steps: expected at least one argument"),
     (["--steps", "env", "nope"], "argument --steps: invalid choice: 'nope'"),
