@@ -85,6 +85,7 @@ SHAPES = {  # hidden, heads, KV heads, MLP, layers (Qwen2.5's configs)
     "1.5b": (1536, 12, 2, 8960, 28),
 }
 MiB = 2**20
+COUNTS = ("ops", "cat_mb", "clone_mb", "syncs", "hooks")  # --count's figures, per run
 # the model part a storage belongs to: the innermost running module with one of these names
 PARTS = {"mlp": "MLP", "self_attn": "attention", "rotary_emb": "attention",
          "lm_head": "output layer"}
@@ -343,7 +344,7 @@ def one(model, tok, prompts: list, cfg: RolloutConfig, stop: list[int], arm: str
             seen.append(ids.shape[0])
 
     device = next(model.parameters()).device
-    ops, live, profiler, watched = CountOps(), LiveBytes(model), nullcontext(), nullcontext()
+    ops, live, profiler, watched = CountOps(), None, nullcontext(), nullcontext()
     if watch == "count":
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         watched = ops
@@ -355,6 +356,7 @@ def one(model, tok, prompts: list, cfg: RolloutConfig, stop: list[int], arm: str
         # (nullcontext: FSDP's policy computes in bf16 with --dtype bfloat16, as in a run)
         with generating_as(arm), parallel.generation(model, nullcontext()), profiler:
             if watch == "memory" and device.type == "cpu":
+                live = LiveBytes(model)
                 watched = tracking(model, live)  # (the weights gathered: counted from here)
             sync(device)
             t0 = time.perf_counter()
@@ -391,18 +393,17 @@ class Workload:
                                           not a.same_length)
             self.stop = list(range(4, 4 + max(1, a.vocab // a.mean_len)))
             self.lengths = [a.max_new]
+            self.group, self.slots = a.group, a.slots
         else:
             self.prompts = random_prompts(len(tok), a.rows, a.prompt_tokens, not a.same_length)
             self.stop = []
             self.lengths = list(a.tokens)
+            self.group, self.slots = 1, a.rows  # every row in one call
 
-    def config(self, arm: str, new_tokens: int, rows: int) -> RolloutConfig:
-        a = self.a
-        group, slots = 1, rows
-        if a.measure == "rollout":
-            group, slots = a.group, a.slots
-        return RolloutConfig(group_size=group, batch_size=rows, max_new_tokens=new_tokens,
-                             gen_batch_size=slots, sync_every=a.sync_every, **settings(arm))
+    def config(self, arm: str, new_tokens: int, prompts: list) -> RolloutConfig:
+        return RolloutConfig(group_size=self.group, batch_size=len(prompts) * self.group,
+                             max_new_tokens=new_tokens, gen_batch_size=self.slots,
+                             sync_every=self.a.sync_every, **settings(arm))
 
     def warm(self, model, arm: str) -> float:
         """Seconds of the warm-up: one rollout of --slots rows (rollout) or one generate at each
@@ -410,34 +411,28 @@ class Workload:
         t0 = time.perf_counter()
         prompts = self.prompts
         if self.a.measure == "rollout":
-            prompts = prompts[: max(1, self.a.slots // self.a.group)]
+            prompts = prompts[: max(1, self.slots // self.group)]
         for t in self.lengths:
-            cfg = self.config(arm, t, len(prompts) * cfg_group(self.a))
-            one(model, self.tok, prompts, cfg, self.stop, arm)
+            one(model, self.tok, prompts, self.config(arm, t, prompts), self.stop, arm)
         return time.perf_counter() - t0
 
     def timed(self, model, arm: str, watch: str = "") -> dict:
-        """One timed measure: a whole rollout, or a decode step from two lengths."""
-        rows = len(self.prompts) * cfg_group(self.a)
-        runs = [one(model, self.tok, self.prompts, self.config(arm, t, rows), self.stop, arm,
-                    watch) for t in self.lengths]
-        if self.a.measure == "rollout":
-            return runs[0]
+        """One timed measure: a whole rollout, or a decode step from two lengths; the peak
+        (`watch` "memory") of the longest run alone."""
+        lengths = self.lengths
+        if watch == "memory":
+            lengths = self.lengths[-1:]
+        runs = [one(model, self.tok, self.prompts, self.config(arm, t, self.prompts), self.stop,
+                    arm, watch) for t in lengths]
+        if self.a.measure == "rollout" or watch == "memory":
+            return runs[-1]
         (t1, t2), (short, long) = self.lengths, runs
         r = {"step_seconds": (long["seconds"] - short["seconds"]) / (t2 - t1),
              "tokens_sha": long["tokens_sha"]}
-        for key in ("ops", "cat_mb", "clone_mb", "syncs", "hooks"):
+        for key in COUNTS:
             if key in long:
                 r[key] = (long[key] - short[key]) / (t2 - t1)
-        if "peak" in long:
-            r["peak"] = long["peak"]
         return r
-
-
-def cfg_group(a: argparse.Namespace) -> int:
-    if a.measure == "rollout":
-        return a.group
-    return 1
 
 
 def figures(a: argparse.Namespace, runs: list[dict]) -> dict:
@@ -457,7 +452,7 @@ def extras(a: argparse.Namespace, r: dict, tokens: float) -> dict:
     """--count's counts per useful token (a rollout's) or per step (`r`'s already), --memory's
     peak."""
     found = {}
-    for key in ("ops", "cat_mb", "clone_mb", "syncs", "hooks"):
+    for key in COUNTS:
         if key in r and a.measure == "rollout":
             found[f"{key}_per_token"] = r[key] / tokens
         if key in r and a.measure == "step":
@@ -603,7 +598,7 @@ def line(arm: str, result: dict) -> str:
     if r["compiled_while_timed"]:
         parts.append(f"compiled while timed: {r['compiled_while_timed']}")
     for key, value in r.items():
-        if key.startswith(("ops_", "cat_mb_", "clone_mb_", "syncs_", "hooks_")):
+        if key.rpartition("_per_")[0] in COUNTS:
             parts.append(f"{key} {value:.3f}")
     if "peak" in r:
         parts.append(peak_line(r["peak"]))
