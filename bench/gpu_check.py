@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,8 @@ def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]
     print(f"(a) torchrun, FSDP at world size 1: 2 steps, resumed to 3 ({len(lines)} metric lines), "
           f"checkpoints {checkpoints}, final/ loads ({type(model).__name__}, "
           f"{next(model.parameters()).dtype}) in {time.time() - t0:.0f} s")
+    if not failures:  # (a failed run stays for a look; a passed one is a checkpoint's GBs)
+        shutil.rmtree(out, ignore_errors=True)
     return failures
 
 
