@@ -1,8 +1,8 @@
 """One typed config: dataclasses, YAML files over the defaults (a `base:` file first), then
 dotted overrides (`--replay.strategy=aper`). Unknown keys and wrong types are errors naming the key
-and the closest one. Each section's `check()` gives {field: (ok, what it must be)}; `validate` runs
-them all, once. A section one module reads lives beside it (rollout, reward, grpo, replay, lora,
-data.tiny).
+and the closest one (support/configfile.py reads the files and values). Each section's `check()`
+gives {field: (ok, what it must be)}; `validate` runs them all, once. A section one module reads
+lives beside it (rollout, reward, grpo, replay, lora, data.tiny).
 """
 
 from __future__ import annotations
@@ -10,13 +10,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import os
-import reprlib
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from data.loaders import read_yaml_file
 from data.tiny_task import TEST_SIZE, TinyTask
 from grpo import GRPOConfig, UpdateSettings
 from methods import plugged
@@ -31,22 +27,13 @@ from methods.greso import SkipConfig
 from support.models import ModelConfig
 from support.rundir import ASIDE, WandbConfig
 from methods.stages import StageConfig
-from support.util import flatten, path_fault, printable, text_fault
+from support.configfile import SHORT, ConfigError, parse_value, read_yaml
+from support.util import path_fault
 
 MAX_THREADS = 1024  # torch starts them on its first parallel op: 10^11 would never start
-MAX_BASES = 16  # files in one `base:` chain
 OVERLONG = "≤ rollout.max_new_tokens (%d): a longer buffer punishes every completion"
 NEVER = "the %s a completion's reward can be (reward.*): else the rule never fires"
-# Keys naming a file or folder: bytes the locale cannot decode stay as Python spells them (below).
-PATHS = ("out_dir", "model.path", "data.train", "data.eval", "data.data_dir", "replay.module",
-         "replay.rlep_source")
 
-
-class ConfigError(ValueError):
-    """A bad config key, value or file: train.py prints it on one line and exits 2."""
-
-    def __str__(self) -> str:
-        return printable(ValueError.__str__(self))  # a file name may hold a newline
 
 
 @dataclass
@@ -228,50 +215,7 @@ FIELDS = _fields()
 BF16 = "bf16 compute is model.compute_dtype=bfloat16"
 REMOVED = {"model.dtype": f"master weights are always float32; {BF16}", "model.autocast": BF16,
            "optim.skip_zero_adv": "it is always on"}
-BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-CONVERTS = {int: (str,), float: (str, int), str: (int, float)}  # a field's type: from these
-_repr = reprlib.Repr()  # values in messages stay short (a YAML alias bomb would print megabytes)
-_repr.maxstring = _repr.maxother = 60
-_repr.maxlist = _repr.maxdict = 4
-_repr.maxlevel = 2
 
-
-def _parse(key: str, value, tp):
-    """`value` as the field's type `tp` (command-line strings are parsed), or a ConfigError."""
-    if isinstance(value, str):
-        value = _text(key, value)
-    if isinstance(value, list):
-        value = [_text(key, v) if isinstance(v, str) else v for v in value]
-    if isinstance(value, str) and tp is bool and value.lower() in BOOLS:
-        return BOOLS[value.lower()]
-    if isinstance(value, str) and tp == list[str]:  # --rollout.stop_tokens=a,b
-        return [v for v in value.split(",") if v]
-    if type(value) in CONVERTS.get(tp, ()):
-        try:
-            return tp(value)
-        except (ValueError, OverflowError):  # int("1.5"), float(10**400)
-            pass
-    if type(value) is tp:
-        return value
-    if tp == list[str] and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return value
-    raise ConfigError(f"config key {key} expects {getattr(tp, '__name__', tp)}, "
-                      f"got {_repr.repr(value)}")
-
-
-def _text(key: str, text: str) -> str:
-    """`text` as config key `key` takes it, or a ConfigError: no tokenizer or file takes a lone
-    surrogate (\\ud800). Under a locale whose encoding is not UTF-8 (LC_ALL=C), Python reads each
-    byte of the command line it cannot decode as a surrogate U+DC80-U+DCFF: a path keeps that
-    spelling (the file system's bytes; os.fsencode gives them back), other text is those bytes
-    read as UTF-8."""
-    if not text_fault(text):
-        return text
-    try:
-        raw = os.fsencode(text)  # (fails unless every surrogate stands for a byte)
-        return text if key in PATHS else raw.decode("utf-8")
-    except UnicodeError:
-        raise ConfigError(f"config key {key}: its text {text_fault(text)}") from None
 
 
 def _set(cfg: Config, key: str, value) -> None:
@@ -289,47 +233,7 @@ def _set(cfg: Config, key: str, value) -> None:
         raise ConfigError(f"config key {key} is a section; set one of its fields, "
                           f"e.g. {key}.{first}")
     section, _, name = key.rpartition(".")
-    setattr(_get(cfg, section), name, _parse(key, value, tp))
-
-
-def read_yaml(path: str | Path, seen: tuple = ()) -> dict:
-    """Flat {dotted key: value} of a YAML file; a top-level `base: other.yaml` (relative to it) is
-    read first. Its loading is bounded (data.loaders.read_yaml_file)."""
-    p = Path(path)
-    if p.resolve() in seen:
-        raise ConfigError(f"config file {path} includes itself through `base`")
-    if len(seen) >= MAX_BASES:
-        raise ConfigError(f"config file {path}: a `base` chain of more than {MAX_BASES} files")
-    try:
-        data = read_yaml_file(p) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"config file {' '.join(str(e).split())[:300]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys, "
-                          f"not {type(data).__name__}")
-    bad = _bad_key(data)
-    if bad:
-        raise ConfigError(f"config file {path}: keys must be names, got {bad}")
-    base = data.pop("base", None)
-    if base is not None and not isinstance(base, str):
-        raise ConfigError(f"config file {path}: base must be one file name, got {_repr.repr(base)}")
-    flat = read_yaml(p.parent / base, (*seen, p.resolve())) if base else {}
-    return flat | flatten(data)
-
-
-def _bad_key(data: dict, prefix: str = "") -> str | None:
-    """The first key of a YAML mapping (nested ones included) that is not text, as a message: YAML
-    reads `1:`, `~:` or `yes:` as an integer, null or bool, which no dotted key can name."""
-    for key, value in data.items():
-        if not isinstance(key, str):
-            return f"{_repr.repr(key)} ({type(key).__name__}) in {prefix or 'the top level'}"
-        if isinstance(value, dict):
-            bad = _bad_key(value, f"{prefix}{key}.")
-            if bad:
-                return bad
-    return None
+    setattr(_get(cfg, section), name, parse_value(key, value, tp))
 
 
 def load_config(path: str | None, overrides: list[str]) -> Config:
@@ -340,7 +244,7 @@ def load_config(path: str | None, overrides: list[str]) -> Config:
     for arg in args:
         key, eq, value = arg.partition("=")
         if not key.startswith("--"):
-            raise ConfigError(f"unexpected argument {_repr.repr(arg)}; "
+            raise ConfigError(f"unexpected argument {SHORT.repr(arg)}; "
                               "overrides look like --optim.lr=1e-3")
         if not eq:  # --key value
             value = next(args, None)
@@ -357,6 +261,19 @@ def load_config(path: str | None, overrides: list[str]) -> Config:
     for k, v in [*(read_yaml(path) if path else {}).items(), *pairs]:
         _set(cfg, k, v)
     return cfg
+
+
+def split_flags(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """A command's own flags among `argv` ({--name: the text after `=`, or ""}) and the rest: the
+    config's overrides."""
+    flags, rest = {}, []
+    for arg in argv:
+        name, _, value = arg.partition("=")
+        if name in names:
+            flags[name] = value
+        else:
+            rest.append(arg)
+    return flags, rest
 
 
 def validate(cfg: Config) -> None:
@@ -386,7 +303,7 @@ def check_rules(cfg: Config, rules: list[tuple[str, bool, str]]) -> None:
     """ConfigError for the first rule that fails: `{key} must be {rule}, got {value}`."""
     for key, ok, rule in rules:
         if not ok:
-            raise ConfigError(f"{key} must be {rule}, got {_repr.repr(_get(cfg, key))}")
+            raise ConfigError(f"{key} must be {rule}, got {SHORT.repr(_get(cfg, key))}")
 
 
 def check_flags(values: dict[str, tuple[str, object]]) -> None:
@@ -400,7 +317,7 @@ def check_flags(values: dict[str, tuple[str, object]]) -> None:
     for key, ok, rule in _rules(cfg):
         if key in values and not ok:
             flag = values[key][0]
-            raise ConfigError(f"{flag} must be {rule}, got {_repr.repr(_get(cfg, key))}")
+            raise ConfigError(f"{flag} must be {rule}, got {SHORT.repr(_get(cfg, key))}")
 
 
 def _get(cfg: Config, key: str):

@@ -71,7 +71,6 @@ import torch
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
-from batch import Row, pack
 from metrics import timed
 from support import parallel
 from support.logprobs import completion_logprobs, mode
@@ -315,16 +314,6 @@ def policy_logprobs(model, rows, s: UpdateSettings, device,
                                share_prompt=share)
 
 
-def train_mode(model):
-    """`model` in train mode while inside (the training forwards and their backward), then every
-    module as it was (support.logprobs.mode). Loaded models stay in eval mode elsewhere
-    (generation, the no-grad passes). HF recomputes activations (model.gradient_checkpointing)
-    only in train mode, and LoRA's adapter dropout acts only then; a checkpoint's own dropout
-    would act too, and the first step's ratio would not be 1 (the paper models set none:
-    attention_dropout 0)."""
-    return mode(model, training=True)
-
-
 def no_grad_logprobs(model, batch, s, compute, device,
                      with_entropy=False) -> tuple[Tensor, Tensor]:
     """(B, L) log-probs (and entropies) of `batch`'s rows under `model`, without gradients,
@@ -358,16 +347,6 @@ def micro_batches(rows: Tensor, completion_len: Tensor, seq_len: Tensor, o) -> l
     if len(rows) > start:
         out.append(rows[start:])
     return out
-
-
-def row_entropy(model, rows, settings, compute, device) -> Tensor:
-    """(B,) the policy's mean token entropy of each row (exgrpo scores stored rows by it); every
-    rank calls it together."""
-    n = len(rows)
-    if n == 0:  # a stand-in row runs, so every rank's passes match; its value is dropped
-        rows = pack([Row([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
-    _, ent = no_grad_logprobs(model, rows, settings, compute, device, with_entropy=True)
-    return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]
 
 
 # ------------------------------------------------------------------------------------ the update
@@ -478,7 +457,8 @@ def run_pass(u: Update, k: int, inspect=None) -> bool:
             [len(rows), float(batch.completion_len[rows].sum()),
              float((batch.advantage[rows] != 0).any())])).tolist()  # over every rank's rows
         u.optimizer.zero_grad(set_to_none=True)
-        with timed(u.times, "forward_backward"), train_mode(u.policy):  # (checkpointing needs it)
+        # train mode: gradient checkpointing and LoRA's dropout act only then (logprobs.mode)
+        with timed(u.times, "forward_backward"), mode(u.policy, training=True):
             sums, hi, lo = _forward_backward(s, u.policy, u, run, old, n_seqs, n_tokens,
                                              signal > 0, u.device, u.compute)
         with timed(u.times, "optimizer"):

@@ -27,8 +27,8 @@ from typing import NamedTuple
 import torch
 
 from data.solutions import PhaseOne, file_sha256, read_rlep_source, rlep_generated_tokens
-from grpo import group_stats
-from batch import Rollouts
+from grpo import group_stats, no_grad_logprobs
+from batch import Row, Rollouts, pack
 from support import replay_state
 from support.parallel import all_ranks
 
@@ -496,6 +496,16 @@ class ExgrpoReplay(Replay):
         for g in torch.nonzero(partly).squeeze(1).tolist():
             prompt = batch.prompt_idx[inv == g][0]
             self.score[self.valid & (self.rows.prompt_idx == prompt)] = k[g]
+
+
+def row_entropy(model, rows, settings, compute, device) -> torch.Tensor:
+    """(B,) the policy's mean token entropy of each row (exgrpo scores stored rows by it; train.py
+    hands it to the replay's start); every rank calls it together."""
+    n = len(rows)
+    if n == 0:  # a stand-in row runs, so every rank's passes match; its value is dropped
+        rows = pack([Row([0, 0], 1, [0.0], False, 0.0)], 0, torch.zeros(1), torch.zeros(1), 0)
+    _, ent = no_grad_logprobs(model, rows, settings, compute, device, with_entropy=True)
+    return (ent.sum(1) / rows.completion_len.clamp(min=1))[:n]
 
 
 def _completion(rows: Rollouts, i: int) -> tuple:

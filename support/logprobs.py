@@ -256,7 +256,11 @@ def mode(model, training: bool):
     """Every module of `model` in train (`training`) or eval mode while inside, then each back in
     its own mode. Not `model.train(was)`: a wrapper's flag need not be its layers' (peft's LoRA
     wrapper says training while the loaded layers are in eval mode), and restoring it would flip
-    every layer."""
+    every layer. grpo.py's training forwards and their backward run in train mode; loaded models
+    stay in eval mode elsewhere (generation, the no-grad passes). HF recomputes activations
+    (model.gradient_checkpointing) only in train mode, and LoRA's adapter dropout acts only then;
+    a checkpoint's own dropout would act too, and the first step's ratio would not be 1 (the paper
+    models set none: attention_dropout 0)."""
     modules = list(model.modules())
     was = [m.training for m in modules]
     model.train(training)

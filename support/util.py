@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -182,6 +184,24 @@ def library_versions() -> str:
     import transformers
 
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def seed_all(seed: int, rank: int, threads: int) -> None:
+    """Seed python, numpy and torch (each rank's torch differently: ranks sample differently);
+    `threads` > 0 sets torch's intra-op threads."""
+    if threads:
+        torch.set_num_threads(threads)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed + rank)
+
+
+def other_versions(versions: list[str]) -> list[str]:
+    """A note for a resume on library versions other than those the run ran on (`versions`)."""
+    if not versions:
+        return []
+    return [f"note: resumed on {library_versions()}, not on what the run ran on "
+            f"({'; '.join(versions)}): eval.py --compare refuses to pool it unless --allow-mixed"]
 
 
 def fsync(path: Path) -> None:
