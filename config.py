@@ -334,4 +334,5 @@ def update_settings(cfg: Config) -> UpdateSettings:
                           max_new_tokens=cfg.rollout.max_new_tokens,
                           mask_truncated=cfg.rollout.mask_truncated,
                           engine=cfg.rollout.engine,
-                          gradient_checkpointing=cfg.model.gradient_checkpointing)
+                          gradient_checkpointing=cfg.model.gradient_checkpointing,
+                          stoppable=cfg.lookahead.method != "none" or cfg.optim.epochs > 1)

@@ -76,6 +76,7 @@ from support import parallel
 from support.logprobs import completion_logprobs, mode
 from support.parallel import hf_module
 from support.parallel import MAX, all_ranks
+from support.preempt import Interrupted, should_stop
 
 
 @dataclass
@@ -129,6 +130,7 @@ class UpdateSettings:
     mask_truncated: bool  # rollout.mask_truncated: truncated rows are left out of the loss
     engine: str  # rollout.engine: rows an inference engine sampled may be weighted (departure 12)
     gradient_checkpointing: bool  # model.gradient_checkpointing: no KV cache to share a prompt
+    stoppable: bool  # several passes: a stop ends the update between optimizer steps (train.loop)
 
 
 @dataclass
@@ -187,12 +189,6 @@ def group_advantages(rewards: Tensor, group: Tensor, scale: str = "group",
                "adv/groups": float(len(s.ids)),
                "adv/abs_mean": adv.abs().mean().item()}
     return adv.to(rewards.dtype), metrics
-
-
-def flat_groups(rewards: Tensor, group: Tensor) -> Tensor:
-    """(N,) rows whose group's rewards are all equal: nothing to learn from (a single row too)."""
-    s = group_stats(rewards, group)
-    return s.flat[s.index]
 
 
 def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
@@ -453,9 +449,11 @@ def run_pass(u: Update, k: int, inspect=None) -> bool:
         run = rows
         if s.loss.beta == 0:
             run = rows[batch.advantage[rows] != 0]  # A = 0 gives no gradient
-        n_seqs, n_tokens, signal = all_ranks(torch.tensor(
+        n_seqs, n_tokens, signal, stop = all_ranks(torch.tensor(
             [len(rows), float(batch.completion_len[rows].sum()),
-             float((batch.advantage[rows] != 0).any())])).tolist()  # over every rank's rows
+             float((batch.advantage[rows] != 0).any()), float(should_stop())])).tolist()
+        if stop and s.stoppable:  # (every rank at once; train.loop puts the step back)
+            raise Interrupted
         u.optimizer.zero_grad(set_to_none=True)
         # train mode: gradient checkpointing and LoRA's dropout act only then (logprobs.mode)
         with timed(u.times, "forward_backward"), mode(u.policy, training=True):

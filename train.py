@@ -41,8 +41,8 @@ from support import checkpoint, parallel
 from support.checks import budget
 from support.models import load_run_model, save_model
 from support.parallel import all_ranks
-from support.preempt import (STOP, Interrupted, StoppedInSetup, generating, rewind, setting_up,
-                             stopped_in_setup)
+from support.preempt import (STOP, Interrupted, StepStart, StoppedInSetup, generating, rewind,
+                             setting_up, stopped_in_setup)
 from support.prompts import chat_prompts, end_ids
 from support.rundir import RunFolder, write_file
 from support.util import (RunError, command_errors, library_versions, oneline, other_versions,
@@ -215,8 +215,9 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
 
 def loop(r: Run) -> int:
     """Generation steps until max_steps or a stop (SIGTERM, SIGINT: support/preempt.py), which
-    abandons the rollout or the eval under way (--resume redoes it) but lets an update finish (its
-    passes over one batch: docs/reliability.md); returns the signal number (0: ran to the end)."""
+    abandons the rollout, the eval or an update of several passes under way (--resume redoes it)
+    but lets an update of one pass finish (one batch's time: docs/reliability.md); returns the
+    signal number (0: ran to the end)."""
     cfg, p = r.cfg, r.progress
     t_run = begin(r)
     if t_run is None:
@@ -226,17 +227,15 @@ def loop(r: Run) -> int:
     for step in bar:
         t = {}
         # 1-2. Rollout: G completions per prompt, rewarded. A stop puts the step back as it was.
-        data_pos = p.data_pos
+        data_pos, start_state = p.data_pos, step_start(r)
         with rewind(r.generators) as rewound:
             fresh, rollout_metrics, generated, _ = r.rollout(step, t)
         if rewound.stopped:
             p.data_pos = data_pos  # --resume takes this step's prompts again
             break
-        # vLLM on a GPU frees its KV cache while the update needs the memory
-        r.sampler.sleep()
+        r.sampler.sleep()  # vLLM on a GPU frees its KV cache while the update needs the memory
         p.generated_tokens += generated
-        # The methods that learn from the final rollout (GRESO's trace of group means, staged
-        # rollouts' stored successes): only those that are on
+        # The methods on that learn from the rollout (GRESO's group means, stages' successes)
         for method in r.observers:
             method.observe(fresh)
         # 3. Advantages within each group (RLEP and ExGRPO first add stored rows to the groups)
@@ -250,28 +249,42 @@ def loop(r: Run) -> int:
         # 5. Update at this generation step's learning rate: passes of mini- and micro-batches
         for group in r.optimizer.param_groups:
             group["lr"] = get_lr(step, cfg)
-        update, entropy, skipped, times = r.update(r.settings, r.model, r.policy, r.optimizer,
-                                                   batch, r.device, r.compute, r.ref)
+        try:
+            update, entropy, skipped, times = r.update(r.settings, r.model, r.policy, r.optimizer,
+                                                       batch, r.device, r.compute, r.ref)
+        except Interrupted:  # a stop between optimizer steps of several passes: the step's start
+            r.progress = start_state.put_back(r.model, r.optimizer, state_of(r), r.generators)
+            break
         t |= times
         with timed(t, "weight_sync"):  # the sampler takes the new weights (HF: it has them)
             r.sampler.sync(r.model)
         # 6. Replay push: the batch, with each row's entropy from the update
         with timed(t, "replay_push"):
             r.replay.push(batch, step, entropy)
-        # 7. One metrics line (metrics.py), written after 8., the eval every eval.every steps and
-        # at the end
+        # 7. One metrics line (metrics.py), written after 8., the eval (every eval.every steps)
         record_step(r, step, groups, batch, update, skipped, adv_metrics | rollout_metrics, t)
         try:
             row = end_step(r, t_run)
         except Interrupted:  # the step is done: the checkpoint keeps its line for --resume
             break
-        # 9. Checkpoint every checkpoint.every steps and at the end
-        checkpoint_if_due(r, first=step == start)
+        checkpoint_if_due(r, first=step == start)  # 9. Checkpoint: checkpoint.every, the end
         accuracy = p.eval_last.get("accuracy", math.nan)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", eval=f"{accuracy:.3f}")
         if STOP.agreed():
             break
     return STOP.agreed()  # (the same answer on every rank, even for a signal during the last step)
+
+
+def step_start(r: Run) -> StepStart | None:
+    """The step's start, kept when its update runs several passes (a stop may end it: loop)."""
+    if not r.settings.stoppable:
+        return None
+    return StepStart(r.model, r.optimizer, state_of(r), r.generators, r.progress)
+
+
+def state_of(r: Run) -> list:
+    """What a checkpoint saves of the run beside its weights: the replay, the methods' states."""
+    return [r.replay, *r.methods.values()]
 
 
 def finish(r: Run, signum: int) -> int:

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from grpo import flat_groups
+from grpo import group_stats
 from batch import Rollouts
 from support.parallel import MIN, all_ranks
+
+
+def flat_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """(N,) rows whose group's rewards are all equal: nothing to learn from (a single row too)."""
+    s = group_stats(rewards, group)
+    return s.flat[s.index]
 
 
 def split(fresh: Rollouts) -> tuple[Rollouts, Rollouts]:

@@ -1,6 +1,7 @@
 """Stopping at any moment (preemption). SIGTERM or SIGINT asks the process to stop; the work under
-way that is not a training update (a generation, an eval, dynamic-sampling rounds) is abandoned at
-its next token or problem, and the caller goes back to its last safe point.
+way (a generation, an eval, dynamic-sampling rounds, an update of several passes) is abandoned at
+its next token, problem or optimizer step, and the caller goes back to its last safe point; an
+update of one pass (one batch's time) finishes.
 
   STOP.install()   once per process: the signal handlers
   setting_up()     around set-up, which writes nothing: a signal ends it at once
@@ -12,6 +13,8 @@ its next token or problem, and the caller goes back to its last safe point.
                    raise Interrupted together if any rank was stopped
   generating()     abandonable, with FSDP's weights gathered for the phase (support/parallel.py)
   rewind()         around a step's rollout: a stop puts back the RNG streams
+  StepStart        a step's start kept while its update runs several passes: a stop between two
+                   optimizer steps (grpo.run_pass) puts it back
   rng_state()      every global RNG stream (checkpoints save it; rewind puts it back)
 
 Ranks generate different lengths, so no collective can run per token: a rank stops on its own
@@ -29,6 +32,7 @@ SIGKILL at the end of the grace period is the hard stop.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import signal
@@ -40,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
+from torch.utils._pytree import tree_map
 
 from support import parallel
 
@@ -192,6 +197,47 @@ def rewind(generators: list):
         for g, state in zip(generators, states):
             g.set_state(state)
         mark.stopped = True
+
+
+class StepStart:
+    """What a checkpoint keeps, taken at a step's start while its update may run several passes
+    (lookahead.*, optim.epochs > 1): the trained weights and the optimizer's state (about 3× the
+    trained parameters: host memory for plain tensors, device memory for FSDP's shards), the
+    `stateful` objects' states (the replay, the methods), the `generators`, every RNG stream and a
+    copy of the run's progress. A stop during the update puts them back (`put_back`): the run
+    stops as at the step's start, and --resume redoes the step."""
+
+    def __init__(self, model, optimizer, stateful: list, generators: list, progress):
+        self.weights = [_host(parallel.local(p)) for p in _trained(model)]
+        self.optimizer = tree_map(_host, optimizer.state_dict())
+        self.states = [copy.deepcopy(obj.state_dict()) for obj in stateful]
+        self.generators = [g.get_state() for g in generators]
+        self.rng = rng_state()
+        self.progress = copy.deepcopy(progress)
+
+    def put_back(self, model, optimizer, stateful: list, generators: list):
+        """Every saved state in its place; returns the progress as it was."""
+        with torch.no_grad():
+            for p, saved in zip(_trained(model), self.weights, strict=True):
+                parallel.local(p).copy_(saved)
+        optimizer.load_state_dict(self.optimizer)
+        for obj, state in zip(stateful, self.states, strict=True):
+            obj.load_state_dict(state)
+        for g, state in zip(generators, self.generators, strict=True):
+            g.set_state(state)
+        set_rng_state(self.rng)
+        return self.progress
+
+
+def _trained(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _host(x):
+    """A copy of `x` kept apart from it: a plain tensor's in host memory, anything else deep."""
+    if type(x) is torch.Tensor:
+        return x.detach().to("cpu", copy=True)
+    return copy.deepcopy(x)
 
 
 class StopRequested(transformers.StoppingCriteria):

@@ -46,11 +46,13 @@ LAUNCHER = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 # train.py with the generation of one phase slowed down. SLOW_PHASE rollout: from the SLOW_CALL-th
 # generate call (round) of step SLOW_STEP's rollout, steps counted from 0; eval: the eval after step
-# SLOW_STEP. The first slowed token of each rank appends "rank pid" to SLOW_MARKER.
+# SLOW_STEP; update: the passes of step SLOW_STEP's update after its third (DELAY seconds before
+# each: three passes have moved the weights and AdamW's moments when a stop comes). The first
+# slowed token (or pass) of each rank appends "rank pid" to SLOW_MARKER.
 SLOW = """
 import os, sys, time
 sys.path.insert(0, os.environ["REPO"])
-import rollout, train
+import grpo, rollout, train
 env = os.environ
 phase, at, delay = env["SLOW_PHASE"], int(env["SLOW_STEP"]), float(env["SLOW_DELAY"])
 call = int(env.get("SLOW_CALL", "1"))
@@ -85,6 +87,16 @@ def token(self, input_ids, scores):
             state["marked"] = True
         time.sleep(delay)
     return real_token(self, input_ids, scores)
+real_pass = grpo.run_pass
+def pass_(u, k, inspect=None):  # SLOW_PHASE update: step SLOW_STEP's passes after its third
+    if phase == "update" and state["step"] == at and k >= 3:
+        if not state["marked"]:
+            with open(env["SLOW_MARKER"], "a") as f:
+                f.write(f"{env.get('RANK', '0')} {os.getpid()}\\n")
+            state["marked"] = True
+        time.sleep(delay)
+    return real_pass(u, k, inspect)
+grpo.run_pass = pass_
 train.one_round, train.held_out_eval, rollout.generate = round_, run_eval_, generate_
 rollout._SamplingDistribution.__call__ = token
 sys.exit(train.main(sys.argv[1:]))
@@ -277,6 +289,32 @@ def test_sigterm_during_a_long_generation_abandons_the_step_and_resume_is_bit_id
     assert_same_run(dynamic_reference, out)
 
 
+# Updates of 16 passes: SFPO's 15 fast passes and its slow one; plain GRPO's 16 epochs
+PASSES = {"sfpo": ["--lookahead.method=sfpo", "--lookahead.fast_steps=15"],
+          "epochs": ["--optim.epochs=16"]}
+
+
+@needs_model
+@pytest.mark.parametrize("update", list(PASSES))
+def test_sigterm_during_an_update_of_many_passes_stops_between_steps_and_resume_is_bit_identical(
+        tmp_path, update):
+    """#58: a stop during step 5's update of 16 passes, after its third (the 13 left slowed to DELAY
+    seconds each), is honoured before the next optimizer step (the note within STOP_WITHIN s, not
+    after the update): the step is put back as at its start (weights and AdamW's moments, which
+    three passes moved; the replay, the RNG streams, the progress), the checkpoint is of step 4,
+    and the resumed run is the uninterrupted one."""
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run(ref, *PASSES[update])
+    launch = Launch(tmp_path, out, *PASSES[update], slow={"phase": "update", "step": 4})
+    launch.wait_for_marker()
+    code, noted = launch.stop(name=f"{update}: pass 4 of step 5's 16")
+    assert noted < STOP_WITHIN, f"the stop took {noted:.1f} s: the update ran on"
+    stopped(launch, code, 4)
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    run(out, "--resume", *PASSES[update])
+    assert_same_run(ref, out)
+
+
 # Prompt skipping and staged rollouts on, 12 training prompts: steps 4 on revisit prompts, so the
 # skip rule has traces to act on (p_init 0.05: a prompt seen once is skipped with p = 0.95)
 SKIPPING = ["--skip.enabled=true", "--skip.p_init=0.05", "--stages.first=2",
@@ -445,3 +483,21 @@ def test_a_signal_during_set_up_ends_it_at_once_and_leaves_out_dir_as_it_was(tmp
     else:
         assert snapshot(out) == before
         assert not Path(f"{out}.overwritten").exists()
+
+
+@needs_model
+def test_torchrun_fsdp_sigterm_to_one_rank_during_an_update_of_many_passes(tmp_path):
+    """#58 under FSDP2 on two ranks: SIGTERM to rank 1 alone during step 5's update of 16 epochs
+    (after its third pass): the stop rides on the next optimizer step's all-reduce, both ranks put
+    the step back (their weight and AdamW shards, DTensors) and checkpoint step 4 within
+    STOP_WITHIN seconds; the resumed run is the uninterrupted one."""
+    args = ["--model.parallel=fsdp", *PASSES["epochs"]]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run(ref, *args, torchrun=True)
+    launch = Launch(tmp_path, out, *args, torchrun=True, slow={"phase": "update", "step": 4})
+    pids = launch.wait_for_marker(ranks=2)
+    code, noted = launch.stop(pid=pids[1], name="torchrun fsdp, pass 4 of 16, rank 1", ranks=2)
+    assert noted < STOP_WITHIN, f"the stop took {noted:.1f} s: the update ran on"
+    stopped(launch, code, 4, world=2)
+    run(out, "--resume", *args, torchrun=True)
+    assert_same_run(ref, out)
