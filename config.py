@@ -263,6 +263,26 @@ def load_config(path: str | None, overrides: list[str]) -> Config:
     return cfg
 
 
+def typed_mapping(node: dict, prefix: str = "") -> dict:
+    """A saved config.yaml's mapping (nested sections), each value of a key config.py knows taken
+    as `--key=value` takes it (`parse_value`), a section as a mapping; keys config.py does not know
+    (older or newer code) kept as they are. ConfigError for the first it refuses."""
+    out = {}
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        tp = FIELDS.get(key)
+        section = tp is not None and dataclasses.is_dataclass(tp)
+        if section and not isinstance(value, dict):
+            raise ConfigError(f"config key {key} is a section (a mapping), got {SHORT.repr(value)}")
+        if isinstance(value, dict):
+            out[name] = typed_mapping(value, f"{key}.")
+        elif tp is not None:
+            out[name] = parse_value(key, value, tp)
+        else:
+            out[name] = value
+    return out
+
+
 def split_flags(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
     """A command's own flags among `argv` ({--name: the text after `=`, or ""}) and the rest: the
     config's overrides."""

@@ -7,14 +7,13 @@ compare.json (per arm, run). Which runs may be pooled: analysis/pooling.py.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 import os
 from pathlib import Path
 
 from analysis.evals import METRICS, eval_curve
-from config import FIELDS as CONFIG_FIELDS
+from config import ConfigError, typed_mapping
 from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
 from support.util import flatten
 
@@ -141,9 +140,12 @@ def read_run(path: Path) -> tuple[dict, dict, list[dict]]:
         check_versions(summary, summary_file)
     if config_file.exists():
         config = read_yaml_file(config_file) or {}
-        fault = config_fault(config) if isinstance(config, dict) else "not a mapping of sections"
-        if fault:
-            raise ValueError(f"{config_file}: not a run's config: {fault}")
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_file}: not a run's config: not a mapping of sections")
+        try:  # config.py's own rule for each key it knows, as a --config file meets it
+            config = typed_mapping(config)
+        except ConfigError as e:
+            raise ValueError(f"{config_file}: not a run's config: {e}") from None
     return summary, config, metric_rows(metrics_file)
 
 
@@ -179,36 +181,6 @@ def check_order(key: str, value: float, before: tuple | None, where: str) -> Non
     rule = "steps rise" if key == "step" else "a count never falls"
     raise ValueError(f"{where}: {key} {value} after {before[1]} on line {before[0]}: {rule} in "
                      "one run's metrics.jsonl (did two runs write it?)")
-
-
-def config_fault(node: dict, prefix: str = "") -> str | None:
-    """The first section of config.yaml that is not a mapping or key whose value is not of its
-    field's type in config.py, as train.py writes it (an int is not "2", a value not null); keys
-    config.py does not know (older or newer code) are not checked."""
-    for name, value in node.items():
-        key = f"{prefix}{name}"
-        tp = CONFIG_FIELDS.get(key)
-        if tp is not None and not fits(value, tp):
-            want = "a section (a mapping)" if dataclasses.is_dataclass(tp) else tp.__name__
-            return f"{key} must be {want}, got {json.dumps(value, default=str)[:40]}"
-        if isinstance(value, dict):
-            fault = config_fault(value, f"{key}.")
-            if fault:
-                return fault
-    return None
-
-
-def fits(value, tp) -> bool:
-    """Whether a config.yaml value is of the config field type `tp` (a bool is not a number)."""
-    if dataclasses.is_dataclass(tp):
-        return isinstance(value, dict)
-    if tp is bool or isinstance(value, bool):
-        return tp is bool and isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float))
-    if tp in (int, str):
-        return isinstance(value, tp)
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)  # list[str]
 
 
 def check_versions(summary: dict, where) -> None:

@@ -643,15 +643,15 @@ def falling(text: str) -> str:
 
 BAD_RUNS = [  # (how the run is spoilt, the file named, what the line says)
     (lambda r: set_config(r, model=1), "config.yaml",
-     "model must be a section (a mapping), got 1"),
-    (lambda r: set_config(r, skip=[1]), "config.yaml", "skip must be a section"),
-    (lambda r: set_config(r, optim={"epochs": "2"}), "config.yaml",
-     'optim.epochs must be int, got "2"'),
+     "config key model is a section (a mapping), got 1"),
+    (lambda r: set_config(r, skip=[1]), "config.yaml", "config key skip is a section"),
+    (lambda r: set_config(r, optim={"epochs": "two"}), "config.yaml",
+     "config key optim.epochs expects int, got 'two'"),
     (lambda r: set_config(r, stages={"first": None}), "config.yaml",
-     "stages.first must be int, got null"),
-    (lambda r: set_config(r, seed=[1]), "config.yaml", "seed must be int, got [1]"),
+     "config key stages.first expects int, got None"),
+    (lambda r: set_config(r, seed=[1]), "config.yaml", "config key seed expects int, got [1]"),
     (lambda r: set_config(r, rollout={"stop_tokens": [1]}), "config.yaml",
-     "rollout.stop_tokens must"),
+     "config key rollout.stop_tokens expects"),
     (lambda r: set_summary(r, rows_trained="abc"), "summary.json",
      "rows_trained must be a number"),
     (lambda r: set_summary(r, seed=[1]), "summary.json", "seed must be int, got [1]"),
@@ -826,3 +826,15 @@ def test_compare_says_what_pooling_would_do(tmp_path):
     line = compare_refused(tmp_path, *none, f"fast={aper[0]}", "--baseline", "slow")
     assert "no run is in the baseline arm 'slow' (--baseline names it); the runs' arms: fast, " \
            "none" in line, line
+
+
+def test_compare_reads_config_yaml_by_config_pys_own_rule(tmp_path):
+    """#57: a run's config.yaml is typed by config.py's rule (`config.typed_mapping`, the one a
+    --config file meets), not by a second one: "2" for an int is 2, as train.py would take it, so
+    the run is filed as epochs2; a value config.py refuses is refused in its words."""
+    run = train_run(tmp_path, "none", 0, [0.2, 0.4, 0.5, 0.6])
+    set_config(run, optim={"epochs": "2"})
+    assert cp.load_run(run)["strategy"] == "epochs2"
+    set_config(run, optim={"epochs": "2.5"})
+    with pytest.raises(ValueError, match="config key optim.epochs expects int, got '2.5'"):
+        cp.load_run(run)
