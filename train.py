@@ -188,7 +188,7 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> in
     try:
         r.folder.claim(overwrite)  # everything loaded and checked: the run starts writing
         if library_versions() not in r.progress.versions:  # a resume on other versions: both
-            r.notes += other_versions(r.progress.versions)
+            r.notes += other_versions(r.progress.versions, library_versions())
             r.progress.versions.append(library_versions())
         r.log, r.wandb = r.folder.open_log(cfg, r.progress.step, r.progress.wandb_id,
                                            resume is not None)

@@ -196,11 +196,11 @@ def seed_all(seed: int, rank: int, threads: int) -> None:
     torch.manual_seed(seed + rank)
 
 
-def other_versions(versions: list[str]) -> list[str]:
-    """A note for a resume on library versions other than those the run ran on (`versions`)."""
+def other_versions(versions: list[str], here: str) -> list[str]:
+    """A note for a resume on library versions (`here`) other than the run's (`versions`)."""
     if not versions:
         return []
-    return [f"note: resumed on {library_versions()}, not on what the run ran on "
+    return [f"note: resumed on {here}, not on what the run ran on "
             f"({'; '.join(versions)}): eval.py --compare refuses to pool it unless --allow-mixed"]
 
 

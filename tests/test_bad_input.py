@@ -287,7 +287,7 @@ def test_bad_input_values_end_to_end_and_debug(tmp_path):
     assert_one_line(r, "30,000,000 samples")
     assert not out.exists()
     text = debug_chain([*BASE, "--eval.k=100000000", f"--out_dir={out}"])
-    assert "Traceback" in text and "config.ConfigError: eval.k must be smaller" in text
+    assert "Traceback" in text and "ConfigError: eval.k must be smaller" in text
 
 
 EVAL_VALUES = [
