@@ -159,3 +159,13 @@ def tokenizer_fault(vocab: int) -> str | None:
     if vocab < size:
         return f"is below the tokenizer's {size} tokens (the prompts' ids)"
     return None
+
+
+def sync(device=None) -> None:
+    """Wait for the GPU's queued work (a timing's edge); nothing on a CPU. `device`: the timed
+    one (None: CUDA when there is one)."""
+    import torch
+
+    cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()

@@ -326,11 +326,6 @@ def since(before: dict) -> dict:
     return moved
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 # --------------------------------------------------------------------------------------- one run
 def one(model, tok, prompts: list, cfg: RolloutConfig, stop: list[int], arm: str,
         watch: str = "") -> dict:
@@ -358,11 +353,11 @@ def one(model, tok, prompts: list, cfg: RolloutConfig, stop: list[int], arm: str
             if watch == "memory" and device.type == "cpu":
                 live = LiveBytes(model)
                 watched = tracking(model, live)  # (the weights gathered: counted from here)
-            sync(device)
+            cli.sync(device)
             t0 = time.perf_counter()
             with watched:
                 out, _ = rollout.generate(model, tok, prompts, cfg, stop)
-            sync(device)
+            cli.sync(device)
             seconds = time.perf_counter() - t0
     finally:
         hook.remove()

@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench import cli
+from support.parallel import local
 
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "A10": 125,
                "L4": 121, "4090": 165}
@@ -256,11 +257,11 @@ def generation_check(model, tok, cfg, compute, a, peaks: dict):
     reset_peak()
     torch.manual_seed(0)  # the samples too are seeded: a rerun checks the same batch
     with generation(model, compute):
-        sync()
+        cli.sync()
         t0 = time.time()
         with counting_all_gathers(gathers):
             ro, _ = generate(model, tok, prompts, cfg.rollout, stop)
-        sync()
+        cli.sync()
         seconds = time.time() - t0
     peaks["generation"] = peak_bytes()
     hook.remove()
@@ -407,7 +408,7 @@ def chunked_head_check(model, compute, device, batch, a, rows: int = 4) -> list[
     for path in ("chunked", "whole"):
         model.zero_grad(set_to_none=True)
         reset_peak()
-        sync()
+        cli.sync()
         t0 = time.time()
         with compute:
             if path == "chunked":
@@ -419,7 +420,7 @@ def chunked_head_check(model, compute, device, batch, a, rows: int = 4) -> list[
                 logp = F.pad(picked[..., 0], (1, 0))  # (b, L): position t−1 predicts token t
                 del logits
         logp[mask].sum().backward()
-        sync()
+        cli.sync()
         found[path] = (logp.detach()[mask], time.time() - t0, peak_bytes())
     model.zero_grad(set_to_none=True)
     diff = (found["chunked"][0] - found["whole"][0]).abs().max().item()
@@ -433,10 +434,6 @@ def chunked_head_check(model, compute, device, batch, a, rows: int = 4) -> list[
     if not diff <= 1e-3:
         return [f"(f) the chunked head differs from whole logits by {diff:.2e}"]
     return []
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def reference_grad_norm(cfg, path: str, batch, device) -> float:
@@ -495,11 +492,11 @@ def timed_update(cfg, model, policy, optimizer, batch, device, compute) -> tuple
     import grpo
     from config import update_settings
 
-    sync()
+    cli.sync()
     t0 = time.time()
     metrics, _, _, _ = grpo.update_policy(update_settings(cfg), model, policy, optimizer, batch,
                                           device, compute)
-    sync()
+    cli.sync()
     return metrics, int(batch.seq_len.sum()) / (time.time() - t0)
 
 
@@ -631,11 +628,6 @@ def mfu(model, tps: float, a) -> str:
     if not said:
         return ""
     return f", MFU {' and '.join(said)} on {r['device']}"
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def reset_peak() -> None:

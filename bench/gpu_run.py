@@ -48,6 +48,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench import cli
 from support.util import OneLineParser, path_fault, run_capped
 
 CHECK = [sys.executable, str(REPO / "bench" / "gpu_check.py")]
@@ -168,11 +169,11 @@ def env_step(a, report: Report, cap: float) -> dict:
     y = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):  # warm-up
         x @ y
-    sync(device)
+    cli.sync(device)
     t0 = time.time()
     for _ in range(10):
         x @ y
-    sync(device)
+    cli.sync(device)
     tflops = 10 * 2 * n**3 / (time.time() - t0) / 1e12
     r = {"gpu": torch.cuda.get_device_name() if cuda else "none (CPU dry run)",
          "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 0,
@@ -207,13 +208,6 @@ def driver() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return r.stdout.strip() or None
-
-
-def sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------------------- check
