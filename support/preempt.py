@@ -44,7 +44,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
-from torch.utils._pytree import tree_map
 
 from support import parallel
 
@@ -202,14 +201,17 @@ def rewind(generators: list):
 class StepStart:
     """What a checkpoint keeps, taken at a step's start while its update may run several passes
     (lookahead.*, optim.epochs > 1): the trained weights and the optimizer's state (about 3× the
-    trained parameters: host memory for plain tensors, device memory for FSDP's shards), the
+    trained parameters, this rank's parts, in host memory; written back in place), the
     `stateful` objects' states (the replay, the methods), the `generators`, every RNG stream and a
     copy of the run's progress. A stop during the update puts them back (`put_back`): the run
     stops as at the step's start, and --resume redoes the step."""
 
     def __init__(self, model, optimizer, stateful: list, generators: list, progress):
         self.weights = [_host(parallel.local(p)) for p in _trained(model)]
-        self.optimizer = tree_map(_host, optimizer.state_dict())
+        self.moments = {}  # AdamW's state of each parameter that has one (none before a step)
+        for p, state in optimizer.state.items():
+            self.moments[p] = {k: _host(parallel.local(v)) for k, v in state.items()}
+        self.lrs = [group["lr"] for group in optimizer.param_groups]
         self.states = [copy.deepcopy(obj.state_dict()) for obj in stateful]
         self.generators = [g.get_state() for g in generators]
         self.rng = rng_state()
@@ -220,7 +222,14 @@ class StepStart:
         with torch.no_grad():
             for p, saved in zip(_trained(model), self.weights, strict=True):
                 parallel.local(p).copy_(saved)
-        optimizer.load_state_dict(self.optimizer)
+            for p in list(optimizer.state):  # in place: FSDP's shards stay where they are
+                if p not in self.moments:
+                    del optimizer.state[p]
+                    continue
+                for k, saved in self.moments[p].items():
+                    optimizer.state[p][k] = _put_back(optimizer.state[p].get(k), saved)
+        for group, lr in zip(optimizer.param_groups, self.lrs, strict=True):
+            group["lr"] = lr
         for obj, state in zip(stateful, self.states, strict=True):
             obj.load_state_dict(state)
         for g, state in zip(generators, self.generators, strict=True):
@@ -234,10 +243,19 @@ def _trained(model) -> list:
 
 
 def _host(x):
-    """A copy of `x` kept apart from it: a plain tensor's in host memory, anything else deep."""
-    if type(x) is torch.Tensor:
+    """A copy of `x` kept apart from it: a tensor's in host memory, anything else deep."""
+    if torch.is_tensor(x):
         return x.detach().to("cpu", copy=True)
     return copy.deepcopy(x)
+
+
+def _put_back(now, saved):
+    """`saved` written into the tensor `now` in place (this rank's part of a shard), or `saved`
+    itself where there is no tensor to write into."""
+    if torch.is_tensor(now) and torch.is_tensor(saved):
+        parallel.local(now).copy_(saved)
+        return now
+    return saved
 
 
 class StopRequested(transformers.StoppingCriteria):
