@@ -17,12 +17,12 @@ from data.tiny_task import TEST_SIZE, TinyTask
 from grpo import GRPOConfig, UpdateSettings
 from methods import plugged
 from methods.lookahead import PASSES, LookaheadConfig
-from replay import ReplayConfig, sizes
+from replay import ReplayConfig, buffers
 from rewards import RewardConfig
 from rollout import MIN_TEMPERATURE, RolloutConfig
 from support import vllm
 from support.checkpoint import CheckpointConfig
-from support.checks import MAX_BATCH, budget
+from support.checks import MAX_BATCH, budget, sizes
 from methods.greso import SkipConfig
 from support.models import ModelConfig
 from support.rundir import ASIDE, WandbConfig
@@ -117,6 +117,19 @@ class OptimConfig:
                 "micro_batch_tokens": (0 <= self.micro_batch_tokens <= MAX_BATCH,
                                        "≥ 0 (0 = off) and ≤ 10^9"),
                 "logprob_batch_size": (0 < self.logprob_batch_size <= MAX_BATCH, "> 0 and ≤ 10^9")}
+
+
+def get_lr(step: int, cfg) -> float:
+    """Learning rate of generation step `step` (0-based; cfg is the run's config): linear warm-up,
+    then constant or cosine decay. Warm-up and decay count generation steps, as verl does."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
+    cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if o.schedule == "cosine":
+        return o.lr * cosine
+    return o.lr
 
 
 @dataclass
@@ -304,7 +317,8 @@ def validate(cfg: Config) -> None:
     specs = cfg.data.eval.split(",")
     # eval.n = 0 takes every problem: the tiny task's held-out split, a file's once it is loaded
     eval_problems = cfg.eval.n * len(specs) if cfg.eval.n else TEST_SIZE * specs.count("tiny")
-    check_rules(cfg, budget(cfg, eval_problems, sizes(cfg.replay, cfg.rollout.max_new_tokens + 1)))
+    longest = cfg.rollout.max_new_tokens + 1  # (a prompt of one token at least)
+    check_rules(cfg, budget(cfg, eval_problems, sizes(longest, buffers(cfg.replay))))
 
 
 def _rules(section, prefix: str = "") -> list[tuple[str, bool, str]]:

@@ -361,19 +361,6 @@ def minibatch_plan(n: int, o, passes: int) -> list[tuple[int, Tensor]]:
     return plan
 
 
-def get_lr(step: int, cfg) -> float:
-    """Learning rate of generation step `step` (0-based; cfg is the run's config): linear warm-up,
-    then constant or cosine decay. Warm-up and decay count generation steps, as verl does."""
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
-    cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    if o.schedule == "cosine":
-        return o.lr * cosine
-    return o.lr
-
-
 @dataclass
 class Update:
     """One step's update over this rank's batch: what its passes share (π_old, fixed at the start,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, fields
-from typing import NamedTuple
 
 import torch
 
@@ -562,26 +561,9 @@ class GroupReplay(Replay):
         return Rollouts.cat([kept, replayed], self.pad_id)
 
 
-class Sizes(NamedTuple):
-    """Bytes that support/checks.py weighs against the machine's memory."""
-
-    row: int  # one Rollouts row of max_len tokens, every field included
-    slot: int  # one buffer slot: a row and its `valid`, `used` and `score` (0: no buffer)
-    default_row: int  # a row of the default 1 + 48 tokens, for the message
-
-
-def sizes(cfg: ReplayConfig, max_len: int) -> Sizes:
-    """`Sizes` of rows of up to `max_len` tokens under replay config `cfg`."""
-
-    def row_bytes(length: int) -> int:
-        row = Rollouts.empty(1, 1, 0)
-        tensors = [getattr(row, f.name) for f in fields(Rollouts)]
-        return sum(x.element_size() * (length if x.dim() == 2 else 1) for x in tensors)
-
-    slot = 0
-    if STRATEGIES.get(cfg.strategy, Replay) is not Replay:
-        slot = row_bytes(max_len) + 1 + 4 + 4
-    return Sizes(row_bytes(max_len), slot, row_bytes(49))
+def buffers(cfg: ReplayConfig) -> bool:
+    """Whether replay config `cfg`'s strategy keeps a buffer (`none` keeps none)."""
+    return STRATEGIES.get(cfg.strategy, Replay) is not Replay
 
 
 def make_replay(cfg: ReplayConfig, max_len: int, pad_id: int, seed: int) -> Replay:

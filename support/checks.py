@@ -8,7 +8,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import fields
+from typing import NamedTuple
 
+from batch import Rollouts
 from data.loaders import machine_memory
 
 MAX_STEP_TOKENS = 10**10  # generated in one step (every round) or one eval: a day at 10^5 tokens/s
@@ -22,10 +25,32 @@ def _get(cfg, key: str):
     return functools.reduce(getattr, key.split("."), cfg)
 
 
-def budget(cfg, eval_problems: int, sizes) -> list[tuple[str, bool, str]]:
+class Sizes(NamedTuple):
+    """Bytes that `budget` weighs against the machine's memory."""
+
+    row: int  # one Rollouts row of max_len tokens, every field included
+    slot: int  # one buffer slot: a row and its `valid`, `used` and `score` (0: no buffer)
+    default_row: int  # a row of the default 1 + 48 tokens, for the message
+
+
+def sizes(max_len: int, buffered: bool) -> Sizes:
+    """`Sizes` of rows of up to `max_len` tokens; `buffered`: the replay keeps a buffer."""
+
+    def row_bytes(length: int) -> int:
+        row = Rollouts.empty(1, 1, 0)
+        tensors = [getattr(row, f.name) for f in fields(Rollouts)]
+        return sum(x.element_size() * (length if x.dim() == 2 else 1) for x in tensors)
+
+    slot = 0
+    if buffered:
+        slot = row_bytes(max_len) + 1 + 4 + 4
+    return Sizes(row_bytes(max_len), slot, row_bytes(49))
+
+
+def budget(cfg, eval_problems: int, sizes: Sizes) -> list[tuple[str, bool, str]]:
     """Rules on products of keys: the buffer's and a step's bytes against this machine's memory per
     process, the tokens of a step, an eval and the run against what ever finishes. train.py checks
-    them again once data is loaded (`eval_problems` problems; `sizes`, replay.Sizes: the bytes of a
+    them again once data is loaded (`eval_problems` problems; `sizes`: the bytes of a
     row and of a buffer slot for rows of the longest prompt plus rollout.max_new_tokens)."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "1")
     local = max(1, int(local)) if local.isdigit() else 1  # processes on this machine (torchrun)
