@@ -35,7 +35,6 @@ OVERLONG = "≤ rollout.max_new_tokens (%d): a longer buffer punishes every comp
 NEVER = "the %s a completion's reward can be (reward.*): else the rule never fires"
 
 
-
 @dataclass
 class DataConfig:
     train: str = "tiny"
@@ -228,7 +227,6 @@ FIELDS = _fields()
 BF16 = "bf16 compute is model.compute_dtype=bfloat16"
 REMOVED = {"model.dtype": f"master weights are always float32; {BF16}", "model.autocast": BF16,
            "optim.skip_zero_adv": "it is always on"}
-
 
 
 def _set(cfg: Config, key: str, value) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 import grpo
-from support.parallel import local, resharded, say_once
+from support.parallel import local, say_once, trained
 
 
 DELTA = 1e-8  # GXPO: |g0| below this is no signal; so is |1 + r|
@@ -96,12 +96,6 @@ class LookaheadConfig:
             "max_zero_share": (0 <= self.max_zero_share <= 1, "in [0, 1]"),
             "gate_signal": (self.gate_signal in ("grad_norm", "entropy"), "grad_norm or entropy"),
         }
-
-
-def trained(model) -> list[torch.Tensor]:
-    """The parameters the optimizer moves, each as this rank's part (FSDP: its shard, the root's
-    too after a forward left it gathered)."""
-    return [local(p) for p in resharded(model).parameters() if p.requires_grad]
 
 
 @torch.no_grad()

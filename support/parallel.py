@@ -158,6 +158,12 @@ def resharded(model):
     return model
 
 
+def trained(model) -> list[Tensor]:
+    """The parameters the optimizer moves, each as this rank's part (FSDP: its shard, the root's
+    too after a forward left it gathered: `resharded`)."""
+    return [local(p) for p in resharded(model).parameters() if p.requires_grad]
+
+
 def local(t: Tensor) -> Tensor:
     """This rank's part of an FSDP shard; others as they are."""
     if isinstance(t, DTensor):

@@ -207,7 +207,7 @@ class StepStart:
     stops as at the step's start, and --resume redoes the step."""
 
     def __init__(self, model, optimizer, stateful: list, generators: list, progress):
-        self.weights = [_host(parallel.local(p)) for p in _trained(model)]
+        self.weights = [_host(p) for p in parallel.trained(model)]
         self.moments = {}  # AdamW's state of each parameter that has one (none before a step)
         for p, state in optimizer.state.items():
             self.moments[p] = {k: _host(parallel.local(v)) for k, v in state.items()}
@@ -220,8 +220,8 @@ class StepStart:
     def put_back(self, model, optimizer, stateful: list, generators: list):
         """Every saved state in its place; returns the progress as it was."""
         with torch.no_grad():
-            for p, saved in zip(_trained(model), self.weights, strict=True):
-                parallel.local(p).copy_(saved)
+            for p, saved in zip(parallel.trained(model), self.weights, strict=True):
+                p.copy_(saved)
             for p in list(optimizer.state):  # in place: FSDP's shards stay where they are
                 if p not in self.moments:
                     del optimizer.state[p]
@@ -236,10 +236,6 @@ class StepStart:
             g.set_state(state)
         set_rng_state(self.rng)
         return self.progress
-
-
-def _trained(model) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _host(x):

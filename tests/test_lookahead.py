@@ -19,6 +19,7 @@ from test_scale import synthetic_batch, tiny_qwen3
 
 import grpo
 from config import ConfigError, load_config, update_settings, validate
+from support import parallel
 from methods import lookahead
 from methods.lookahead import GXPO, SFPO, LookaheadConfig, lookahead_factor, reposition
 
@@ -327,7 +328,8 @@ def test_lookahead_sigkill_inside_the_passes_then_resume_is_bit_identical(tmp_pa
 
 
 def test_lookahead_reads_the_float32_shards_after_a_forward_left_fsdps_root_gathered(tmp_path):
-    """SFPO's θ0 and reposition, GXPO's moves act on `lookahead.trained(model)`: under FSDP2 the
+    """SFPO's θ0 and reposition, GXPO's moves, and the step's copy a stop puts back
+    (support/preempt.StepStart) act on `support.parallel.trained(model)`: under FSDP2 the
     optimizer's float32 shards. A forward (a no-grad pass before the update) leaves the root
     unit's weights gathered, bf16 copies under mixed precision; read then, the root's weights
     (the tied embedding and output layer, the final norm) would be those copies, which the next
@@ -346,7 +348,7 @@ def test_lookahead_reads_the_float32_shards_after_a_forward_left_fsdps_root_gath
         with torch.no_grad():
             model(input_ids=torch.tensor([[5, 6, 7]]))
         assert any(p.dtype == torch.bfloat16 for p in model.parameters())  # the root, gathered
-        got = lookahead.trained(model)
+        got = parallel.trained(model)
         assert [t.data_ptr() for t in got] == shards
         assert all(t.dtype == torch.float32 for t in got)
     finally:

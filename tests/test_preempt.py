@@ -79,22 +79,20 @@ def run_eval_(r):
         return real_eval(r)
     finally:
         state["on"] = state["eval"] = False
+def slow():  # DELAY seconds; the first time, "rank pid" into SLOW_MARKER
+    if not state["marked"]:
+        with open(env["SLOW_MARKER"], "a") as f:
+            f.write(f"{env.get('RANK', '0')} {os.getpid()}\\n")
+        state["marked"] = True
+    time.sleep(delay)
 def token(self, input_ids, scores):
     if state["on"]:
-        if not state["marked"]:
-            with open(env["SLOW_MARKER"], "a") as f:
-                f.write(f"{env.get('RANK', '0')} {os.getpid()}\\n")
-            state["marked"] = True
-        time.sleep(delay)
+        slow()
     return real_token(self, input_ids, scores)
 real_pass = grpo.run_pass
 def pass_(u, k, inspect=None):  # SLOW_PHASE update: step SLOW_STEP's passes after its third
     if phase == "update" and state["step"] == at and k >= 3:
-        if not state["marked"]:
-            with open(env["SLOW_MARKER"], "a") as f:
-                f.write(f"{env.get('RANK', '0')} {os.getpid()}\\n")
-            state["marked"] = True
-        time.sleep(delay)
+        slow()
     return real_pass(u, k, inspect)
 grpo.run_pass = pass_
 train.one_round, train.held_out_eval, rollout.generate = round_, run_eval_, generate_
