@@ -1,12 +1,8 @@
-"""Memory per GPU for the paper configs, from a formula you can check, and a CPU measurement that
-checks it.
+"""Memory per GPU for the paper configs, from a formula you can check.
 
 Usage:
-  python bench/memory_plan.py \
-      # docs/gpu.md's table: every paper config, ddp / fsdp, 1 and 8 GPUs of 80 GB
-  python bench/memory_plan.py --measure            # a random-init Qwen2.5-0.5B-shaped model
-                                                   # trained on this CPU: peak RSS vs the formula
-  python bench/memory_plan.py --measure --lora 32  # the same with rank-32 adapters on a frozen base
+  python bench/memory_plan.py   # docs/gpu.md's tables: every paper config, ddp / fsdp, 1 and 8
+                                # GPUs of 80 GB; each LoRA twin on one GPU
 
 The formula (bytes per GPU; P parameters, P_layer those of one decoder layer, N GPUs sharing them
 under fsdp):
@@ -48,20 +44,13 @@ measures) = weights + max(gradients + activations + logits, gradients + optimize
 no-grad pass, generation). Not counted: the CUDA context and allocator fragmentation (plan 2-4 GB of
 headroom per GPU); under LoRA with optim.epochs > 1, the gate's float32 gradient of the frozen
 output layer and its sum (2·4·V·H; no paper config sets epochs).
---measure runs each configuration in a child process of its own, on one thread, with glibc's
-mmap threshold fixed at 128 KiB: by default glibc raises that threshold up to 32 MiB as blocks are
-freed, then keeps freed layer-sized blocks in its heap (1.1-1.3 GB of free heap during a LoRA
-step, mallinfo2), so the RSS would count the CPU allocator's fragmentation, not the tensors.
+Checked on the CPU by `--measure` (removed after 8809cc6: docs/performance.md) and on GPUs
+(docs/gpu.md).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import os
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,114 +208,13 @@ def lora_table() -> str:
     return "\n".join(rows)
 
 
-def peak_rss(reset: bool = False) -> int:
-    """This process's peak RSS (VmHWM) in bytes; `reset` starts a new peak from the RSS now."""
-    if reset:
-        Path("/proc/self/clear_refs").write_text("5")
-    status = Path("/proc/self/status").read_text()
-    return int(status.split("VmHWM:")[1].split()[0]) * 1024
-
-
-def measure(lora_rank: int, steps: int) -> None:
-    """`measured` in a child process of its own (see the module docstring)."""
-    env = os.environ | {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
-    cmd = [sys.executable, __file__, "--child", "--lora", str(lora_rank), "--steps", str(steps)]
-    subprocess.run(cmd, env=env, check=True)
-
-
-def measured(steps: int, lora_rank: int, micro_batch: int = 4, prompt: int = 32,
-             response: int = 96) -> None:
-    """Train a random-init Qwen2.5-0.5B-shaped model (its real vocabulary size; random token ids, so
-    no tokenizer is needed) for a few AdamW steps through grpo.update_policy on this CPU, float32
-    compute, gradient checkpointing on (so rows run whole, as under FSDP), and compare peak RSS with
-    the formula's CPU figure plus the process's RSS before the model existed. lora_rank > 0:
-    adapters of that rank on every linear layer train instead."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    import grpo
-    from config import Config, update_settings
-    from batch import Rollouts
-    from support import lora
-    from support.models import checkpoint_activations
-
-    if lora_rank:  # peft's share of the process is counted in the process before the model
-        importlib.import_module("peft")
-    torch.set_num_threads(1)
-    base = peak_rss()  # imports done: the interpreter's own share
-    s = SHAPES["Qwen/Qwen2.5-0.5B"]
-    model = AutoModelForCausalLM.from_config(Qwen2Config(
-        vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate,
-        tie_word_embeddings=s.tied,
-        max_position_embeddings=4096))
-    checkpoint_activations(model)
-    model.config.use_cache = False
-    if lora_rank:
-        model = lora.add_adapters(model, lora.LoraConfig(rank=lora_rank), seed=0)
-    model.eval()  # as load_pretrained leaves it: grpo.update_policy trains in train mode
-    trained = [p for p in model.parameters() if p.requires_grad]
-    n_all, n_trained = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trained)
-    print(f"{n_all / 1e6:.1f} M parameters (formula: {s.params() / 1e6:.1f} M + "
-          f"{s.lora_params(lora_rank) / 1e6:.1f} M of adapters); trained: {n_trained / 1e6:.1f} M")
-    cfg = Config()
-    cfg.model.gradient_checkpointing, cfg.optim.micro_batch_size = True, micro_batch
-    # foreach as torch picks on a GPU: on the CPU it defaults to a per-tensor loop whose
-    # temporaries are one parameter's, not the formula's 4·P
-    optimizer = torch.optim.AdamW(trained, lr=1e-6, foreach=True)
-    peak_rss(reset=True)  # random init's temporaries (~0.5 GB above the model) are not training's
-    B, L = 2 * micro_batch, prompt + response
-    g = torch.Generator().manual_seed(0)
-    for step in range(steps):
-        t0 = time.time()
-        tokens = torch.randint(0, s.vocab, (B, L), generator=g)
-        batch = Rollouts(tokens=tokens, prompt_len=torch.full((B,), prompt),
-                         seq_len=torch.full((B,), L),
-                         behav_logp=torch.zeros(B, L), truncated=torch.zeros(B, dtype=torch.bool),
-                         prompt_idx=torch.arange(B), group=torch.arange(B) // 2,
-                         born=torch.zeros(B, dtype=torch.long),
-                         reward=torch.zeros(B), correct=torch.zeros(B, dtype=torch.bool),
-                         advantage=torch.randn(B, generator=g),
-                         entropy=torch.zeros(B), replayed=torch.zeros(B, dtype=torch.bool),
-                         onpolicy=torch.ones(B, dtype=torch.bool),
-                         slot=torch.full((B,), -1))
-        _, _, reasons, _ = grpo.update_policy(update_settings(cfg), model, model, optimizer, batch,
-                                              torch.device("cpu"))
-        peak = peak_rss()
-        print(f"step {step + 1}: {reasons[0] or 'ok'}, {time.time() - t0:.0f} s, "
-              f"peak RSS {peak / GB:.2f} GB")
-    e = estimate(s, gpus=1, fsdp=False, micro_batch=micro_batch, gen_batch=0, prompt=prompt,
-                 response=response,
-                 act_bytes=4, lora_rank=lora_rank)
-    expected = base + e["peak"]
-    print("formula: "
-          f"{' + '.join(f'{k} {v / GB:.2f}' for k, v in e.items() if 'peak' not in k)} GB; "
-          f"+ process before the model {base / GB:.2f} GB = {expected / GB:.2f} GB")
-    print(f"measured peak RSS {peak / GB:.2f} GB: "
-          f"{100 * (peak / expected - 1):+.1f} % against the formula")
-
-
 def main() -> None:
     from bench import cli  # (here: gpu_check and the tests import this module for its tables)
 
-    ap = cli.Parser(__file__, __doc__)
-    ap.add_argument("--measure", action="store_true",
-                    help="run the CPU measurement instead of printing the table")
-    ap.add_argument("--steps", type=cli.positive_int, default=2,
-                    help="2: AdamW's state exists from step 2 on")
-    ap.add_argument("--lora", type=cli.count, default=0,
-                    help="--measure with LoRA adapters of this rank")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.child:
-        measured(a.steps, a.lora)
-    elif a.measure:
-        measure(a.lora, a.steps)
-    else:
-        print(paper_table())
-        print()
-        print(lora_table())
+    cli.Parser(__file__, __doc__).parse_args()
+    print(paper_table())
+    print()
+    print(lora_table())
 
 
 if __name__ == "__main__":

@@ -90,18 +90,17 @@ CASES = [
     ("gpu_check.py", ["--prompts", "0"], "argument --prompts: must be ≥ 1, got 0"),
     ("gpu_check.py", ["--shape", "Qwen/Qwen9"], "--shape 'Qwen/Qwen9': not a shape of"),
     ("gpu_check.py", ["--json", "record.json"], "exists; pass --overwrite"),
-    ("memory_plan.py", ["--steps", "0"], "argument --steps: must be ≥ 1, got 0"),
+    ("memory_plan.py", ["--measure"], "unrecognized arguments: --measure"),
     ("plot_compare.py", ["only_one.json"], "the following arguments are required: out_png"),
     ("reproduce_tiny.py", ["--names", "none", "fast"], "<name>.yaml for ['fast']"),
     ("reproduce_tiny.py", ["--jobs", "0"], "argument --jobs: must be ≥ 1, got 0"),
     ("reproduce_tiny.py", ["--seeds", "0", "0"], "--seeds names a seed twice"),
     ("trace_step.py", ["--max", "x"], "argument --max: must be a whole number"),
     ("trace_step.py", ["--", "--replay.strategy=lifo"], "replay.strategy must be one of"),
-    ("trl_compare.py", ["--rounds", "0"], "argument --rounds: must be ≥ 1, got 0"),
     ("keep_runs.py", ["kept/gxpo-s0"], "the following arguments are required: --out"),
 ]
 NEEDS = [  # (script, arguments, the missing module, what the line says)
-    ("trl_compare.py", [], "trl", "needs trl, datasets, not installed: pip install -r bench/"),
+    ("plot_cost.py", ["cmp.json", "cmp.png"], "matplotlib", "needs matplotlib, not installed"),
     ("plot_compare.py", ["cmp.json", "cmp.png"], "matplotlib", "needs matplotlib, not installed"),
 ]
 
@@ -120,7 +119,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(work, monkeypatch, caps
 @pytest.mark.parametrize("script, args, module, words", NEEDS, ids=[n[0] for n in NEEDS])
 def test_a_missing_dependency_is_found_before_any_work(work, monkeypatch, capsys, script, args,
                                                        module, words):
-    """trl_compare ran its own side for 46 s before TRL's import failed: now the first thing."""
+    """A script once ran for 46 s before a dependency's import failed: now the first thing."""
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed")
     before = snapshot(work)
@@ -139,7 +138,7 @@ def test_cuda_without_a_gpu_is_refused_before_the_model_is_built(work, monkeypat
 
 CASES_BY_PROCESS = [  # one per rule, as the user runs it: (script, arguments, what the line says)
     ("generation.py", ["--layers", "-1"], "argument --layers: must be ≥ 0, got -1"),
-    ("trl_compare.py", ["--steps", "0"], "argument --steps: must be ≥ 1, got 0"),
+    ("reproduce_tiny.py", ["--seeds", "-1"], "argument --seeds: must be ≥ 0, got -1"),
     ("keep_runs.py", ["kept/gxpo-s0", "--out", "kept"], "is already kept in kept"),
 ]
 
