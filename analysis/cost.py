@@ -7,8 +7,8 @@ a model computed from CPU runs, not a measurement on a GPU.
 in units of c_train (= 1), as a function of ρ = c_gen / c_train, with c_fwd = c_train / 3 (a
 forward is 2N of a forward-backward's 6N FLOPs; prefill is a forward over the prompt). At ρ = 1/3
 the model is FLOPs with prefill counted: (2N·generated + 6N·fwd-bwd + 2N·(no-grad + prefill)) / 6N.
-On a GPU decoding is memory-bound, so ρ is larger (docs/gpu.md; bench/plot_cost.py marks the H100's
-measured figures).
+On a GPU decoding is memory-bound, so ρ is larger (docs/gpu.md; bench/plot.py --cost marks the
+H100's measured figures).
 
 Time to a target: each counter where the run first holds it (compare.sustained_crossing over the
 evals that logged the token passes, as total compute's crossing; each counter interpolated

@@ -74,7 +74,7 @@ def add_time(gpu_time: dict, name: str, arm: list[dict], base: list[dict]) -> No
     gpu_time["break_even"].append({"target": name} | cost.break_even(counter_pairs))
     if name != "final":
         return
-    gpu_time["pairs"] = counter_pairs  # (bench/plot_cost.py draws the ratio against ρ from them)
+    gpu_time["pairs"] = counter_pairs  # (bench/plot.py --cost draws the ratio against ρ from them)
     for rho in cost.RATIOS:
         gpu_time["ratios"].append([rho, *cost.time_ratio(counter_pairs, rho, interval=True)])
 

@@ -18,8 +18,12 @@ bad input costs seconds, not a whole benchmark followed by a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import math
+import subprocess
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 # file_fault and folder_fault: support/util.py's, re-exported for the scripts and their tests
@@ -169,3 +173,46 @@ def sync(device=None) -> None:
     cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
+
+
+def versions() -> dict:
+    """What a measurement ran on: torch, CUDA, triton, transformers, peft and the NVIDIA driver
+    (None: not here)."""
+    import torch
+
+    found = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for module in ("triton", "transformers", "peft"):
+        try:
+            found[module] = importlib.metadata.version(module)
+        except importlib.metadata.PackageNotFoundError:
+            found[module] = None
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30, check=False)
+        found["driver"] = r.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        found["driver"] = None
+    return found
+
+
+@contextmanager
+def one_process(device):
+    """A process group of one, which FSDP2 needs (unless one is set up): the trainer's backends,
+    NCCL for device tensors and gloo for its host-tensor collectives."""
+    import torch
+    import torch.distributed as dist
+
+    from support.parallel import backend_map
+
+    if dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    with tempfile.TemporaryDirectory(prefix="one_process_") as folder:  # (the store may go first)
+        dist.init_process_group(backend_map(device.type), init_method=f"file://{folder}/store",
+                                rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

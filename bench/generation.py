@@ -53,14 +53,12 @@ import hashlib
 import json
 import statistics
 import sys
-import tempfile
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -128,13 +126,10 @@ def random_prompts(vocab: int, rows: int, tokens: int, ragged: bool) -> list[lis
     return prompts
 
 
-def hooks_kept(module) -> dict:
-    """`parallel._forward_hooks_off` that takes nothing off: generation as it ran before."""
-    return {}
-
-
-def hf_cache(model, length: int, static: bool = False) -> dict:
-    """`rollout.kv_cache` before support/kvcache.py: no cache given, so HF makes a DynamicCache."""
+def nothing(*args) -> dict:
+    """Generation as it ran before parallel.generation and support/kvcache.py: no forward hook
+    taken off (`parallel._forward_hooks_off`), no cache given (`rollout.kv_cache`: HF makes a
+    DynamicCache)."""
     return {}
 
 
@@ -155,9 +150,9 @@ def generating_as(arm: str):
     attention and refill are RolloutConfig's (`settings`)."""
     real = parallel._forward_hooks_off, rollout.kv_cache
     if arm == "hooks_on":
-        parallel._forward_hooks_off = hooks_kept
+        parallel._forward_hooks_off = nothing
     if arm in ("dynamic", "hooks_on"):
-        rollout.kv_cache = hf_cache
+        rollout.kv_cache = nothing
     try:
         yield
     finally:
@@ -512,20 +507,6 @@ def token_pair(text: str) -> tuple[int, int]:
     return t1, t2
 
 
-def versions(device: torch.device) -> dict:
-    found = {"torch": torch.__version__, "transformers": transformers.__version__,
-             "cuda": torch.version.cuda}
-    try:
-        import triton
-
-        found["triton"] = triton.__version__
-    except ImportError:
-        found["triton"] = None
-    if device.type == "cuda":
-        found["gpu"] = torch.cuda.get_device_name(device)
-    return found
-
-
 def measure(a: argparse.Namespace, say=print) -> dict:
     """Every arm of `a` measured; the result as --json holds it (written as each arm ends)."""
     device = torch.device(a.device)
@@ -539,7 +520,9 @@ def measure(a: argparse.Namespace, say=print) -> dict:
     layers = model.config.num_hidden_layers
     args = {k: v for k, v in vars(a).items() if k not in ("json", "overwrite")}
     result = {"shape": f"Qwen2.5-{a.shape}-like, {layers} layers, vocabulary {a.vocab}, "
-                       f"{a.dtype}", "args": args, **versions(device), "arms": {}, "failed": {}}
+                       f"{a.dtype}", "args": args, **cli.versions(), "arms": {}, "failed": {}}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
     say(f"{result['shape']}, {a.measure}, {device}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, {a.repeats} repeats")
     runs = {}
@@ -614,28 +597,9 @@ def save(a: argparse.Namespace, result: dict) -> None:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
-@contextmanager
-def one_process(device: torch.device):
-    """A process group of one, which FSDP2 needs, unless one is set up."""
-    if dist.is_initialized():
-        yield
-        return
-    backend = "gloo"
-    if device.type == "cuda":
-        backend = "cpu:gloo,cuda:nccl"
-        torch.cuda.set_device(device.index or 0)
-    with tempfile.NamedTemporaryFile(prefix="generation_") as store:
-        dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    with one_process(torch.device(a.device)):
+    with cli.one_process(torch.device(a.device)):
         result = measure(a)
     return int(bool(result["failed"]))
 

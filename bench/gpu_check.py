@@ -140,7 +140,6 @@ def finite(x):
     return x
 
 
-
 def shape_of(name: str):
     """A shape of bench/memory_plan.SHAPES by its model id, or `dry`: a toy one (0.1 M parameters)
     for bench/gpu_run.py --dry-run on a CPU."""
@@ -166,8 +165,7 @@ def run_args(path: str, a: argparse.Namespace) -> list[str]:
 
 def distributed_check(path: str, work: Path, a: argparse.Namespace) -> list[str]:
     """(a): train.py under torchrun (one process: NCCL, or gloo on a CPU), two steps of uniform
-    replay
-    with a checkpoint each, --resume for a third, then final/ through from_pretrained."""
+    replay with a checkpoint each, --resume for a third, then final/ through from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     work.mkdir(parents=True, exist_ok=True)
@@ -214,33 +212,25 @@ def said(stderr: str) -> str:
 
 def in_process_checks(path: str, shape, a: argparse.Namespace) -> list[str]:
     """(b)-(e) in this process, FSDP at world size 1 over a one-process group."""
-    import torch.distributed as dist
-
     from config import load_config
     from support.models import load_policy
-    from support.parallel import backend_map
 
-    cuda = torch.cuda.is_available()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    # the trainer's map: NCCL for device tensors, gloo for its host-tensor collectives
-    dist.init_process_group(backend_map("cuda" if cuda else "cpu"), rank=0, world_size=1)
-    device = torch.device("cuda" if cuda else "cpu")
-    cfg = load_config(BASE, run_args(path, a))
-    model, policy, tok, _, compute = load_policy(cfg, path, device, 1)
-    peaks = {}
-    batch, failures = generation_check(model, tok, cfg, compute, a, peaks)
-    failures += update_checks(cfg, model, policy, compute, device, batch, path, a, peaks, shape)
-    failures += chunked_head_check(model, compute, device, batch, a)
-    dist.destroy_process_group()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with cli.one_process(device):
+        cfg = load_config(BASE, run_args(path, a))
+        model, policy, tok, _, compute = load_policy(cfg, path, device, 1)
+        peaks = {}
+        batch, failures = generation_check(model, tok, cfg, compute, a, peaks)
+        failures += update_checks(cfg, model, policy, compute, device, batch, path, a, peaks,
+                                  shape)
+        failures += chunked_head_check(model, compute, device, batch, a)
     return failures
 
 
 def generation_check(model, tok, cfg, compute, a, peaks: dict):
     """(b): one generation phase; returns (rollouts, failures), the phase's peak in `peaks`."""
     from rollout import generate
-    from support.parallel import hf_module
-    from support.parallel import generation
+    from support.parallel import generation, hf_module
 
     g = torch.Generator().manual_seed(0)
     n_vocab = min(len(tok), model.config.vocab_size)

@@ -160,7 +160,6 @@ def child(cmd: list[str], report: Report, timeout: float, env: dict | None = Non
 # ------------------------------------------------------------------------------------------- env
 def env_step(a, report: Report, cap: float) -> dict:
     import torch
-    import transformers
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -175,39 +174,17 @@ def env_step(a, report: Report, cap: float) -> dict:
         x @ y
     cli.sync(device)
     tflops = 10 * 2 * n**3 / (time.time() - t0) / 1e12
-    r = {"gpu": torch.cuda.get_device_name() if cuda else "none (CPU dry run)",
-         "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 0,
-         "driver": driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
-         "triton": version("triton"), "transformers": transformers.__version__,
-         "peft": version("peft"), "python": platform.python_version(),
-         "bf16_matmul_tflops": tflops, "matmul_size": n}
+    r = {"gpu": "none (CPU dry run)", "gpu_memory_gb": 0, **cli.versions(),
+         "python": platform.python_version(), "bf16_matmul_tflops": tflops, "matmul_size": n}
+    if cuda:
+        r["gpu"] = torch.cuda.get_device_name()
+        r["gpu_memory_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9
     report.data["device"] = r["gpu"]
     report.data["peak_tflops"] = tflops
     report.say(f"env: {r['gpu']}, {r['gpu_memory_gb']:.0f} GB, driver {r['driver']}, torch "
                f"{r['torch']} (CUDA {r['cuda']}, triton {r['triton']}), transformers "
                f"{r['transformers']}, peft {r['peft']}; bf16 {n}^3 matmul {tflops:.0f} TFLOP/s")
     return {"status": "passed", **r}
-
-
-def version(module: str) -> str | None:
-    """`module`'s version, or None where it is not installed."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed(module)
-    except PackageNotFoundError:
-        return None
-
-
-def driver() -> str | None:
-    """The NVIDIA driver's version (nvidia-smi), or None without one."""
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.strip() or None
 
 
 # ----------------------------------------------------------------------------------------- check

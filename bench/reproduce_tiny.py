@@ -25,6 +25,7 @@ plot in <out>/compare are the reproduction's own: a reproduction started again r
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -131,12 +132,10 @@ def main() -> None:
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest",
                "--overwrite"]  # (its own comparison: a reproduction started again replaces it)
     subprocess.run([*compare, "--out-dir", str(out / "compare")], cwd=REPO, check=True)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print("matplotlib is not installed (pip install -r bench/requirements.txt): no plot")
         return
-    subprocess.run([sys.executable, "bench/plot_compare.py", str(out / "compare" / "compare.json"),
+    subprocess.run([sys.executable, "bench/plot.py", str(out / "compare" / "compare.json"),
                     str(out / "compare" / "compare.png"), "--overwrite"], cwd=REPO, check=True)
 
 

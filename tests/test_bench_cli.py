@@ -91,7 +91,7 @@ CASES = [
     ("gpu_check.py", ["--shape", "Qwen/Qwen9"], "--shape 'Qwen/Qwen9': not a shape of"),
     ("gpu_check.py", ["--json", "record.json"], "exists; pass --overwrite"),
     ("memory_plan.py", ["--measure"], "unrecognized arguments: --measure"),
-    ("plot_compare.py", ["only_one.json"], "the following arguments are required: out_png"),
+    ("plot.py", ["only_one.json"], "the following arguments are required: out_png"),
     ("reproduce_tiny.py", ["--names", "none", "fast"], "<name>.yaml for ['fast']"),
     ("reproduce_tiny.py", ["--jobs", "0"], "argument --jobs: must be ≥ 1, got 0"),
     ("reproduce_tiny.py", ["--seeds", "0", "0"], "--seeds names a seed twice"),
@@ -100,8 +100,7 @@ CASES = [
     ("keep_runs.py", ["kept/gxpo-s0"], "the following arguments are required: --out"),
 ]
 NEEDS = [  # (script, arguments, the missing module, what the line says)
-    ("plot_cost.py", ["cmp.json", "cmp.png"], "matplotlib", "needs matplotlib, not installed"),
-    ("plot_compare.py", ["cmp.json", "cmp.png"], "matplotlib", "needs matplotlib, not installed"),
+    ("plot.py", ["cmp.json", "cmp.png", "--cost"], "matplotlib", "needs matplotlib, not installed"),
 ]
 
 

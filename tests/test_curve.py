@@ -274,7 +274,7 @@ def test_the_measured_gpu_ratios_and_the_plot(tmp_path):
     assert compiled == pytest.approx(13986.659 / 12166.044, rel=1e-6)  # 1.15
     pytest.importorskip("matplotlib")
     cp.main([*two_arms(tmp_path), "--out-dir", str(tmp_path / "cmp")])
-    script = [sys.executable, str(REPO / "bench" / "plot_cost.py"),
-              str(tmp_path / "cmp" / "compare.json"), str(tmp_path / "cost.png")]
+    script = [sys.executable, str(REPO / "bench" / "plot.py"),
+              str(tmp_path / "cmp" / "compare.json"), str(tmp_path / "cost.png"), "--cost"]
     subprocess.run(script, check=True, capture_output=True, timeout=120)
     assert (tmp_path / "cost.png").stat().st_size > 0

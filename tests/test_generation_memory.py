@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from bench import generation
+from bench import cli, generation
 from data.build_tiny_model import build_tokenizer
 from rollout import RolloutConfig
 
@@ -35,7 +35,7 @@ def test_in_place_cache_adds_nothing_to_the_generation_peak():
     prompts = generation.random_prompts(len(tok), ROWS, 8, False)
     cfg = RolloutConfig(group_size=1, max_new_tokens=NEW, gen_batch_size=ROWS)
     runs = {}
-    with generation.one_process(torch.device("cpu")):
+    with cli.one_process(torch.device("cpu")):
         model = generation.shard(generation.qwen_like("1.5b", LAYERS, 512, "cpu"), torch.bfloat16)
         for arm in ("dynamic", "default"):
             runs[arm] = generation.one(model, tok, prompts, cfg, [], arm, "memory")

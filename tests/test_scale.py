@@ -504,7 +504,7 @@ def generation_worker(dtype: str, model_dir: str, out: str) -> None:
 
     from support import parallel
 
-    from bench.generation import hooks_kept  # generation as it ran before: the hooks stay on
+    from bench.generation import nothing  # generation as it ran before: the hooks stay on
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -519,7 +519,7 @@ def generation_worker(dtype: str, model_dir: str, out: str) -> None:
         torch.manual_seed(7)
         real = parallel._forward_hooks_off
         if name == "hooked":  # the hooks stay on: what generation ran before
-            parallel._forward_hooks_off = hooks_kept
+            parallel._forward_hooks_off = nothing
         try:
             activities = [torch.profiler.ProfilerActivity.CPU]
             with torch.profiler.profile(activities=activities) as prof, parallel.generation(
