@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fixtures import REPO  # (tests/fixtures.py: the repository's root)
+from train import main
 
 
 def train(out, *overrides: str) -> subprocess.CompletedProcess:
@@ -22,7 +23,7 @@ def train(out, *overrides: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
-def test_a_plugged_update_replaces_grpos_through_train(tmp_path):
+def test_a_plugged_update_replaces_grpos_through_train(tmp_path, capsys):
     """kl_stop:first_change (target KL 0) stops after the second of optim.epochs = 3 passes: the
     first pass's step is π_old itself (KL exactly 0), the second sees the moved weights."""
     if not (REPO / "data" / "tiny_model" / "config.json").exists():
@@ -34,6 +35,11 @@ def test_a_plugged_update_replaces_grpos_through_train(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["kl_stop/passes"] for r in rows] == [2.0, 2.0]
     assert [r["optim/epochs_run"] for r in rows] == [2.0, 2.0]
-    p = train(tmp_path / "bad", "--optim.update=kl_stop:first_chnage")
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
-    assert p.stderr.startswith("error: optim.update must be empty, or module:function"), p.stderr
+    # a misspelled function: refused before anything is written (in this process: the same
+    # main, without another interpreter's start)
+    code = main(["--config", "configs/tiny.yaml", f"--out_dir={tmp_path / 'bad'}",
+                 "--optim.update=kl_stop:first_chnage"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: optim.update must be empty, or module:function"), err
+    assert not (tmp_path / "bad").exists()

@@ -7,9 +7,9 @@ its parameters; tests/test_budget.py checks that every entry still names a test.
 
 SLOW = (
     # Tools for the GPU and benchmarks, run on the CPU, and longer variants of checks CI makes at
-    # a smaller size (CI: tests/test_gpu_run_cli.py; the Gumbel noise at Qwen's vocabulary and
-    # the sampled frequencies; the import structure of methods/; SFPO degenerate at alpha 1;
-    # get_lr's warm-up in test_train)
+    # a smaller size (CI: tests/test_gpu_run_cli.py; the Gumbel noise finite at Qwen's vocabulary,
+    # the sampled frequencies at a small one; the import structure of methods/; SFPO degenerate at
+    # alpha 1; get_lr's warm-up in test_train)
     "tests/test_scale.py::test_gpu_run_dry_run_passes_every_step_on_the_cpu",
     "tests/test_scale.py::test_gpu_check_logic_on_the_cpu",
     "tests/test_scale.py::test_real_model_settings_run_train",
@@ -18,6 +18,7 @@ SLOW = (
     "tests/test_budget.py::test_a_method_that_is_on_is_in_the_step",
     "tests/test_compare.py::test_plateau_check_on_hand_made_curves",
     "tests/test_decode.py::test_refill_draws_stay_in_the_top_k_and_top_p_support_at_a_real_voca",
+    "tests/test_decode.py::test_gumbel_max_frequencies_match_the_distribution_at_a_real_vocabul",
     "tests/test_decode.py::test_compiled_decode_step_samples_what_the_eager_one_does",
     "tests/test_budget.py::test_an_ordinary_default_step_runs_four_support_modules_and_no_method",
     "tests/test_lookahead.py::test_degenerate_lookahead_is_grpo_bit_for_bit[degenerate1",
