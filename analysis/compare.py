@@ -275,22 +275,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         budget = args.budget
         if budget not in (None, "shortest"):
             budget = positive_number(budget)
-        labelled = [run_arg(arg) for arg in args.runs]
-        twice = given_twice([folder for _, folder in labelled])
-        if twice:
-            raise ValueError(twice)
-        runs = []
-        for label, folder in labelled:
-            run = load_run(folder) | {"labelled": label is not None}
-            if label:
-                run["strategy"] = label
-            runs.append(run)
-        mixed = incomparable(runs, args.baseline)
-        if mixed and not args.allow_mixed:
-            raise ValueError(mixed)
-        for run in runs:
-            run.pop("config")
-            run.pop("labelled")
+        runs = loaded_runs(args.runs, args.baseline, args.allow_mixed)
         if not 0 < args.gain_fraction <= 1:  # (NaN is not)
             raise ValueError(f"--gain-fraction must be in (0, 1], got {args.gain_fraction}")
         runs, unlogged = use_metric(runs, args.metric, args.baseline)
@@ -311,6 +296,29 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                                          "gain_fraction": args.gain_fraction, "budget": budget,
                                          "metric": args.metric, "strategies": table})
         write_curve(Path(args.out_dir), table, args.metric, args.baseline)
+
+
+def loaded_runs(names: list[str], baseline: str, allow_mixed: bool) -> list[dict]:
+    """The runs `names` gives ([LABEL=]RUN_DIR), each of its label's arm or its config's; a
+    ValueError for a folder given twice, or for an arm whose runs' configs differ beyond the seed
+    (unless `allow_mixed`)."""
+    labelled = [run_arg(name) for name in names]
+    twice = given_twice([folder for _, folder in labelled])
+    if twice:
+        raise ValueError(twice)
+    runs = []
+    for label, folder in labelled:
+        run = load_run(folder) | {"labelled": label is not None}
+        if label:
+            run["strategy"] = label
+        runs.append(run)
+    mixed = incomparable(runs, baseline)
+    if mixed and not allow_mixed:
+        raise ValueError(mixed)
+    for run in runs:
+        run.pop("config")
+        run.pop("labelled")
+    return runs
 
 
 def out_dir_checked(out_dir: str, overwrite: bool) -> None:

@@ -138,11 +138,8 @@ def decode(model, prompts: list[list[int]], distribution, stop: list[int], max_n
     if compiled:
         step = _compiled_step(device)
     noise_seed = torch.tensor(seed, device=device)  # a tensor: a compiled step takes any seed
-    R, S = len(prompts), min(slots, len(prompts))
-    length = max(map(len, prompts)) + max_new
-    if compiled:  # shapes that do not change with the call's rows: one compiled step serves all
-        S = slots
-        length = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+    R = len(prompts)
+    S, length = cache_sizes(prompts, max_new, slots, compiled)
     config = hf_module(model).config
     dtype = None  # under autocast K and V in its dtype, which attention casts them to anyway
     if torch.is_autocast_enabled(device.type):
@@ -186,6 +183,17 @@ def decode(model, prompts: list[list[int]], distribution, stop: list[int], max_n
     if not bool(out.finite):
         raise FloatingPointError("the policy's logits are not finite (NaN or inf weights)")
     return out.tokens[:R], out.logp[:R], out.entropy[:R]
+
+
+def cache_sizes(prompts: list[list[int]], max_new: int, slots: int,
+                compiled: bool) -> tuple[int, int]:
+    """(slots, positions) of a call's cache: its rows, at most `slots`, and its longest prompt plus
+    max_new; compiled, shapes that do not change with the call's rows (one compiled step serves
+    all): every slot, the length rounded up to LENGTH_BUCKET."""
+    length = max(map(len, prompts)) + max_new
+    if compiled:
+        return slots, -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+    return min(slots, len(prompts)), length
 
 
 class _Records:
