@@ -133,21 +133,21 @@ def plot_cost(compare: dict, path: str, gpu: list[tuple[str, float]]) -> None:
     arms = compare["strategies"]
     grid = np.geomspace(1 / 3, 30, 200)
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    colours = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
+    colour = colours(len(arms))  # the palette `plot` takes for this many arms
     for i, arm in enumerate(arms[1:]):
         pairs = arm["gpu_time"]["pairs"]
         ys = [time_ratio(pairs, rho)[0] for rho in grid]
         if not pairs or not any(map(math.isfinite, ys)):
-            ax.plot([], [], color=colours(i), label=f"{arm['strategy']} (never, or undefined)")
+            ax.plot([], [], color=colour[i], label=f"{arm['strategy']} (never, or undefined)")
             continue
-        ax.plot(grid, ys, color=colours(i), label=arm["strategy"])
+        ax.plot(grid, ys, color=colour[i], label=arm["strategy"])
         for rho, ratio, lo, hi in arm["gpu_time"]["ratios"]:
             if math.isfinite(ratio) and math.isfinite(lo):
                 ax.errorbar(rho, ratio, yerr=[[ratio - lo], [min(hi, 10) - ratio]],
-                            color=colours(i), capsize=3, fmt="o", markersize=3)
+                            color=colour[i], capsize=3, fmt="o", markersize=3)
         even = arm["gpu_time"]["break_even"][-1]
         if math.isfinite(even["ratio"]) and grid[0] <= even["ratio"] <= grid[-1]:
-            ax.plot(even["ratio"], 1, "D", color=colours(i), markersize=6)
+            ax.plot(even["ratio"], 1, "D", color=colour[i], markersize=6)
     ax.axhline(1, color="black", linewidth=1, label=f"{arms[0]['strategy']} (baseline)")
     for label, rho in gpu:
         ax.axvline(rho, color="grey", linestyle=":")
