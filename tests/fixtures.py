@@ -20,15 +20,19 @@ load. With `emit`, the weights are set so that the model deterministically conti
 with `emit` and then its end-of-turn token (a bigram chain: attention and MLP outputs are zeroed,
 so each next token depends on the current token only).
 
-`torchrun(...)` runs processes under torchrun; a `--worker` writes its result per rank with
+`train_here(...)` runs train.py's main in the test's own process; `torchrun(...)` runs processes
+under torchrun; a `--worker` writes its result per rank with
 `write_result`, and `worker_results` runs one and reads what its ranks wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +50,7 @@ from transformers import (
     Qwen3Config,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 QWEN_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -180,9 +185,32 @@ def set_chain(model, chain: list[int], margin: float = 60.0) -> None:
         head[nxt, d] = margin / (emb.shape[1] ** 0.5 * model.model.norm.weight[d].item())
 
 
+# ------------------------------------------------------------------------------- train.py in here
+
+
+def train_here(*argv: str) -> subprocess.CompletedProcess:
+    """`python train.py *argv` as train.main(argv) in this process, from the repository's root:
+    what a subprocess runs, without the 9-10 s each one spends importing torch and transformers.
+    For tests of what a run does and writes; a test of the command line as a user meets it (exit
+    code, the one line on stderr, a signal, the process's environment) runs a subprocess. stdout
+    and stderr are captured (a bug raises here, with its traceback); the signal handlers a run
+    installs (support/preempt.STOP) are put back after it."""
+    import train
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with (contextlib.chdir(REPO), contextlib.redirect_stdout(out),
+              contextlib.redirect_stderr(err)):
+            code = train.main(list(argv))
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    return subprocess.CompletedProcess(["train.py", *argv], code, out.getvalue(), err.getvalue())
+
+
 # ---------------------------------------------------------------------------------------- torchrun
 
-REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
        "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
 

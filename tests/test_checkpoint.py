@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures import previous_run, snapshot
+from fixtures import previous_run, snapshot, train_here
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -65,11 +65,15 @@ TIMING = ("wall_seconds", "reward/verify_seconds")
 
 
 def run_train(out: Path, *args: str, steps: int = STEPS, python: list[str] | None = None,
-              env: dict | None = None):
-    cmd = ((python or [sys.executable, "train.py"]) + TINY
-           + [f"--out_dir={out}", f"--max_steps={steps}", *args])
-    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True,
-                          timeout=600, check=False)
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """train.py (TINY, `steps` steps, `args`) into `out`: in this process (fixtures.train_here), or
+    given `python` (the command before the arguments) or `env`, in a subprocess."""
+    argv = TINY + [f"--out_dir={out}", f"--max_steps={steps}", *args]
+    if python is None and env is None:
+        return train_here(*argv)
+    cmd = (python or [sys.executable, "train.py"]) + argv
+    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=600, check=False)
 
 
 def metrics(out: Path) -> list[dict]:

@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from fixtures import REPO  # (tests/fixtures.py: the repository's root)
+from test_bench_cli import run_main
 SCRIPT = REPO / "bench" / "gpu_run.py"
 
 
@@ -83,13 +85,19 @@ BAD = [  # (arguments, what the line says)
 
 
 @pytest.mark.parametrize("args, words", BAD, ids=[b[1][:30] for b in BAD])
-def test_bad_arguments_are_one_line_and_write_nothing(tmp_path, args, words):
+def test_bad_arguments_are_one_line_and_write_nothing(tmp_path, args, words, monkeypatch, capsys):
+    """Each refused through the script's __main__ in this process (test_bench_cli.run_main; the
+    tests above run it as a user does), from tmp_path, its temporary folders under tmp_path/tmp."""
     (tmp_path / "FILE").write_text("a file, not a folder\n")
+    (tmp_path / "tmp").mkdir()
     before = files(tmp_path)
-    r = gpu_run(tmp_path, "--dry-run", "--steps", "env", *args)
-    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("gpu_run.py: error: "), r.stderr
-    assert words in r.stderr and r.stdout == ""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    code, out, err = run_main("gpu_run.py", ["--dry-run", "--steps", "env", *args], monkeypatch,
+                              capsys)
+    assert code == 2, (out + err)[-3000:]
+    assert err.count("\n") == 1 and err.startswith("gpu_run.py: error: "), err
+    assert words in err and out == ""
     assert files(tmp_path) == before and list((tmp_path / "tmp").iterdir()) == []
 
 

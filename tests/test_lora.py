@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import torchrun, worker_results, write_result
+from fixtures import torchrun, train_here, worker_results, write_result
 from safetensors.torch import load_file
 from test_checkpoint import ENV, STEPS, TINY, assert_same_run, metrics, run_train, wait_for_step
 from test_scale import LOSS_AGGS, one_update, shard, synthetic_batch, update_cfg
@@ -294,9 +294,7 @@ def test_lora_runs_with_every_replay_strategy(tmp_path, name):
     """configs/tiny/<name>.yaml (each replay strategy, and dynamic sampling) with LoRA: 2 steps."""
     out = tmp_path / name
     config = ["--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}"]
-    cmd = [sys.executable, "train.py", *config, *SMALL, *LORA]
-    p = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
-                       check=False)
+    p = train_here(*config, *SMALL, *LORA)
     assert p.returncode == 0, p.stderr[-3000:]
     assert len(metrics(out)) == 2
     assert (out / "final" / "adapter" / "adapter_config.json").is_file()

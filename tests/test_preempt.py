@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from support.checkpoint import checkpoints
-from fixtures import snapshot
+from fixtures import snapshot, train_here
 from support.util import kill_tree
 from tests.test_checkpoint import ENV, MODEL, REPO, TIMING, needs_model
 
@@ -194,10 +194,13 @@ class Launch:
 
 
 def run(out: Path, *args: str, torchrun: bool = False) -> None:
-    """A whole run in the foreground; it must succeed."""
-    cmd = (LAUNCHER if torchrun else [sys.executable]) + ["train.py"] + TINY + [f"--out_dir={out}"]
-    r = subprocess.run(cmd + list(args), cwd=REPO, env=ENV, capture_output=True, text=True,
-                       timeout=900, check=False)
+    """A whole run in the foreground, in this process or under torchrun; it must succeed."""
+    argv = TINY + [f"--out_dir={out}", *args]
+    if torchrun:
+        r = subprocess.run(LAUNCHER + ["train.py"] + argv, cwd=REPO, env=ENV, capture_output=True,
+                           text=True, timeout=900, check=False)
+    else:
+        r = train_here(*argv)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
 

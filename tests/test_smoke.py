@@ -1,5 +1,5 @@
-"""Run train.py in a subprocess exactly as the README does, for a couple of steps: catches what unit
-tests miss."""
+"""Run train.py in a subprocess exactly as the README does, for a couple of steps, and every tiny
+config through its main: catches what unit tests miss."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 
 from replay import STRATEGIES
 
-from fixtures import REPO  # (tests/fixtures.py: the repository's root)
+from fixtures import REPO, train_here  # (tests/fixtures.py)
 MODEL = REPO / "data" / "tiny_model"
 pytestmark = pytest.mark.skipif(
     not (MODEL / "config.json").exists(),
@@ -62,13 +62,12 @@ def test_every_strategy_has_a_tiny_config():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_tiny_config_runs(tmp_path, name):
     """Each configs/tiny/<name>.yaml (every strategy, dynamic sampling, the reuse arms) through
-    train.py for three steps."""
+    train.py for three steps (its main, in this process: the command line is the test above's)."""
     out = tmp_path / name
     extra = ["--replay.exgrpo_min_solve=0"] if name == "exgrpo" else []
-    cmd = [sys.executable, "train.py", "--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}",
-           "--max_steps=3", "--rollout.batch_size=64", "--eval.every=0", "--wandb.mode=disabled",
-           "--replay.tau_max=1", *SMALL, *extra]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    p = train_here("--config", f"configs/tiny/{name}.yaml", f"--out_dir={out}", "--max_steps=3",
+                   "--rollout.batch_size=64", "--eval.every=0", "--wandb.mode=disabled",
+                   "--replay.tau_max=1", *SMALL, *extra)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     strategy = json.loads((out / "summary.json").read_text())["strategy"]

@@ -382,7 +382,7 @@ def test_vllm_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):
     identical."""
     engine = ("--rollout.engine=vllm", "--rollout.vllm_kv_cache_gb=0.0625")
     reference = tmp_path / "reference"
-    r = run_train(reference, *engine)
+    r = run_train(reference, *engine, python=[sys.executable, "train.py"])  # (vLLM: its own)
     assert r.returncode == 0, r.stderr[-3000:]
     assert metrics(reference)[-1]["skipped/zero_adv"] < STEPS - 2  # optimizer steps to restore
     out = tmp_path / "run"
@@ -395,6 +395,6 @@ def test_vllm_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):
     if wait_for_step(proc, out / "metrics.jsonl", 3):
         proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before it could be killed"
-    r = run_train(out, "--resume", *engine)
+    r = run_train(out, "--resume", *engine, python=[sys.executable, "train.py"])
     assert r.returncode == 0 and "resuming from" in r.stderr, r.stderr[-3000:]
     assert_same_run(reference, out)
