@@ -3,7 +3,8 @@
 Usage: python eval.py --compare runs/repro/none-s0 runs/repro/aper-s0 ... --out-dir runs/cmp
   (LABEL=RUN_DIR puts a run in arm LABEL, e.g. half=runs/x/aper-s0; without one, a run's arm is
   read from its config: its replay strategy and methods. Each run counts once; --overwrite
-  replaces an earlier comparison in --out-dir.)
+  replaces an earlier comparison in --out-dir. --baseline none,none_lr2x,...: the baseline tuned
+  over those arms, analysis/area.py.)
 
 Primary, per run: the area, held-out accuracy averaged over the first `--budget` generated tokens.
 Per arm: its mean, the difference to the baseline, Welch's p, Holm's p over every arm, a verdict
@@ -19,19 +20,19 @@ saving to every fraction of the gain (analysis/curve.py) and GPU time as a model
 """
 
 import argparse
-import itertools
 import math
 import statistics
 from pathlib import Path
 
+from analysis.area import area, budget_of, common_grid, tuned, tuned_line
 from analysis.compare_io import (arm_versions, compare_table, given_twice, load_run,
-                                 positive_number, run_arg, write)
+                                 out_dir_checked, positive_number, run_arg, write)
 from analysis.evals import METRICS, use_metric
 from analysis.pooling import incomparable
 from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, mean_known,
                             paired_ratio, welch_p)
 from support.locks import results_dir
-from support.util import OneLineParser, RunError, command_errors, file_fault, folder_fault
+from support.util import OneLineParser, RunError, command_errors
 
 
 def compute(generated: float, fwd_bwd: float, no_grad: float) -> float:
@@ -39,40 +40,6 @@ def compute(generated: float, fwd_bwd: float, no_grad: float) -> float:
     generated token, 6N per token of a forward-backward, 2N per token of a no-grad forward. Left
     out: generation's prompt prefill and attention's term in the sequence length."""
     return 2 * generated + 6 * fwd_bwd + 2 * no_grad
-
-
-def area(curve: list[tuple], budget: float) -> float | None:
-    """Mean accuracy over the first `budget` generated tokens by trapezoids (over RLEP's phase I,
-    the initial one); None, never extrapolated, for a run short of it or without a step-0 eval."""
-    if not curve or curve[0][0] != 0 or curve[-1][1] < budget or budget <= 0:
-        return None
-    total = curve[0][2] * min(curve[0][1], budget)  # phase I, before the step-0 eval
-    for (_, x0, y0, _), (_, x1, y1, _) in itertools.pairwise(curve):
-        if x0 >= budget:
-            break
-        if x1 > budget:  # the last trapezoid ends at the budget
-            y1 = y0 + (y1 - y0) * (budget - x0) / (x1 - x0)
-            x1 = budget
-        total += (x1 - x0) * (y0 + y1) / 2
-    return total / budget
-
-
-def common_grid(runs: list[dict]) -> None:
-    """Cut every curve to the evals all runs share (each run's curve in place): a step stays if
-    every run whose evals span it has an eval there. Runs evaluated every 5 and every 10 steps are
-    then compared on the every-10 grid, since the trapezoids of a finer grid sit higher on a concave
-    curve; a run cut short (or without its step-0 eval) does not thin the grid outside its span."""
-    spans = []  # (first step, last step, every step) of each run with an eval
-    for run in runs:
-        steps = {c[0] for c in run["curve"]}
-        if steps:
-            spans.append((min(steps), max(steps), steps))
-    for run in runs:
-        kept = []
-        for c in run["curve"]:
-            if all(c[0] in s or not lo < c[0] < hi for lo, hi, s in spans):
-                kept.append(c)
-        run["curve"] = kept
 
 
 def sustained_crossing(curve: list[tuple], target: float) -> float | None:
@@ -132,12 +99,9 @@ def crossings(run: dict, target: float, gain_target: float, base_tokens: float) 
 def compare_runs(runs: list[dict], baseline: str, target: float | None,
                  budget: float | str | None, gain_fraction: float = 0.9):
     """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy is the
-    default target and whose smallest total of generated tokens the default budget: every baseline
-    seed then counts (their totals differ by 1-2 %, so their mean would leave about half out).
-    budget "shortest": the smallest total of the finished runs (summary.json written), so that
-    every finished run counts. The second target, below the plateau the baseline's own seeds
-    cross only near their end: its mean initial accuracy plus `gain_fraction` of its mean gain
-    (each row's `gain_target`)."""
+    default target (budget: analysis/baseline.budget_of). The second target, below the plateau
+    the baseline's own seeds cross only near their end: its mean initial accuracy plus
+    `gain_fraction` of its mean gain (each row's `gain_target`)."""
     filed = sorted({run["strategy"] for run in runs})
     if baseline not in filed:  # (not "has no eval": no run is filed under that arm at all)
         raise ValueError(f"no run is in the baseline arm {baseline!r} (--baseline names it); "
@@ -149,13 +113,7 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
     T_b = T_b or math.nan  # a baseline that generated nothing: no ratio to its total
     target = A_b if target is None else target
     gain_target = gain_level(base, gain_fraction)
-    if budget is None:
-        budget = min(run["tokens"] for run in base)
-    if budget == "shortest":
-        finished = [run["tokens"] for run in runs if run["finished"]]
-        if not finished:
-            raise ValueError("--budget shortest: no finished run (summary.json) among them")
-        budget = min(finished)
+    budget = budget_of(runs, base, budget)
     common_grid(runs)
     arms = {}
     for run in runs:
@@ -250,7 +208,9 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="[LABEL=]RUN_DIR", help="run folders")
     ap.add_argument("--out-dir", default="eval_results/compare", help="where the tables go")
-    ap.add_argument("--baseline", default="none", help="the arm the others are measured against")
+    ap.add_argument("--baseline", default="none", help="the arm the others are measured against, "
+                    "or arms to tune it over, comma-separated: the one of highest mean area in "
+                    "avg@k at the budget (by default the first arm's) is the baseline")
     ap.add_argument("--target", type=float, help="accuracy (0-1) for tokens to target (default: "
                     "the baseline's mean final accuracy)")
     ap.add_argument("--gain-fraction", type=float, default=0.9, help="the second target: the "
@@ -275,14 +235,19 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         budget = args.budget
         if budget not in (None, "shortest"):
             budget = positive_number(budget)
-        runs = loaded_runs(args.runs, args.baseline, args.allow_mixed)
+        arms = args.baseline.split(",")
+        runs = loaded_runs(args.runs, arms[0], args.allow_mixed)
         if not 0 < args.gain_fraction <= 1:  # (NaN is not)
             raise ValueError(f"--gain-fraction must be in (0, 1], got {args.gain_fraction}")
-        runs, unlogged = use_metric(runs, args.metric, args.baseline)
-        table, target, budget = compare_runs(runs, args.baseline, args.target, budget,
+        baseline, areas = arms[0], {}
+        if len(arms) > 1:
+            baseline, areas, budget = tuned(runs, arms, budget)
+            print(tuned_line(baseline, areas, budget))
+        runs, unlogged = use_metric(runs, args.metric, baseline)
+        table, target, budget = compare_runs(runs, baseline, args.target, budget,
                                              args.gain_fraction)
-        add_curves(table, runs, args.baseline, target)
-        print(compare_table(table, target, budget, args.baseline))
+        add_curves(table, runs, baseline, target)
+        print(compare_table(table, target, budget, baseline))
         if args.metric != "accuracy":
             print(f"\nin {args.metric}: the area, final value and targets above (its own "
                   "verdicts, Holm's correction over the arms)")
@@ -294,8 +259,9 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                   f"sets, or no step-0 eval): {', '.join(short)}")
         write(Path(args.out_dir), runs, {"target": target, "gain_target": table[0]["gain_target"],
                                          "gain_fraction": args.gain_fraction, "budget": budget,
-                                         "metric": args.metric, "strategies": table})
-        write_curve(Path(args.out_dir), table, args.metric, args.baseline)
+                                         "metric": args.metric, "baseline": baseline,
+                                         "tuned_over": areas, "strategies": table})
+        write_curve(Path(args.out_dir), table, args.metric, baseline)
 
 
 def loaded_runs(names: list[str], baseline: str, allow_mixed: bool) -> list[dict]:
@@ -319,19 +285,6 @@ def loaded_runs(names: list[str], baseline: str, allow_mixed: bool) -> list[dict
         run.pop("config")
         run.pop("labelled")
     return runs
-
-
-def out_dir_checked(out_dir: str, overwrite: bool) -> None:
-    """ValueError unless the comparison may write into `out_dir`: a folder it can make or write (an
-    empty path is not the current folder), whose compare.csv, compare.json and curve.md it replaces
-    only with --overwrite (eval.py refuses to replace results the same way)."""
-    fault = folder_fault(out_dir)
-    if fault:
-        raise ValueError(f"--out-dir {out_dir!r} {fault}")
-    for name in ("compare.csv", "compare.json", "curve.md"):
-        fault = file_fault(str(Path(out_dir) / name), overwrite, makes_folder=True)
-        if fault:
-            raise ValueError(f"--out-dir {out_dir}: {name} {fault}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 from analysis.evals import METRICS, eval_curve
 from config import ConfigError, typed_mapping
 from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
-from support.util import flatten
+from support.util import file_fault, flatten, folder_fault
 
 NUMBER = (int, float)
 NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated_total",
@@ -311,3 +311,16 @@ def write(out: Path, runs: list[dict], result: dict) -> None:
             writer.writerow(run | {"versions": "; ".join(run["versions"] or [])})
     (out / "compare.json").write_text(json.dumps(result | {"runs": runs}, indent=1))
     print(f"\nwrote {out / 'compare.csv'} and {out / 'compare.json'}")
+
+
+def out_dir_checked(out_dir: str, overwrite: bool) -> None:
+    """ValueError unless the comparison may write into `out_dir`: a folder it can make or write (an
+    empty path is not the current folder), whose compare.csv, compare.json and curve.md it replaces
+    only with --overwrite (eval.py refuses to replace results the same way)."""
+    fault = folder_fault(out_dir)
+    if fault:
+        raise ValueError(f"--out-dir {out_dir!r} {fault}")
+    for name in ("compare.csv", "compare.json", "curve.md"):
+        fault = file_fault(str(Path(out_dir) / name), overwrite, makes_folder=True)
+        if fault:
+            raise ValueError(f"--out-dir {out_dir}: {name} {fault}")

@@ -126,7 +126,6 @@ def area_panel(ax, arms: list[dict], colour: dict) -> None:
     ax.set(xlabel="area: mean accuracy over the budget (%)", title="area, 95 % interval")
 
 
-
 def plot_cost(compare: dict, path: str, gpu: list[tuple[str, float]]) -> None:
     """Time ratio against ρ per arm (the baseline is the line at 1)."""
     plt = pyplot()

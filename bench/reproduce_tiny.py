@@ -76,10 +76,9 @@ def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path
         r = cfg.rollout
         subprocess.run(
             [sys.executable, "eval.py", "--model", str(out / f"none-s{seed}" / "final"),
-             "--benchmarks", "tiny_train",
              "--k", str(r.group_size), "--temperature", str(r.temperature), "--top-p", str(r.top_p),
              "--top-k", str(r.top_k), "--max-new-tokens", str(r.max_new_tokens),
-             "--template", cfg.data.template,
+             "--benchmarks", "tiny_train", "--template", cfg.data.template,
              "--batch-size", "256", "--save-correct", str(phase1),
              "--out-dir", str(out / "rlep_phase1"), "--overwrite"],
             cwd=REPO, check=True)
@@ -95,6 +94,8 @@ def main() -> None:
     ap.add_argument("--names", nargs="+", default=None,
                     help="arms to run (default: every config in --configs)")
     ap.add_argument("--seeds", type=cli.count, nargs="+", default=list(range(10)))
+    ap.add_argument("--baseline", default="none", help="eval.py --compare's: the arm, or arms "
+                    "to tune it over (none,none_lr2x: the one of higher mean area)")
     ap.add_argument("--jobs", type=cli.positive_int, default=2,
                     help="training processes at once (each uses one thread)")
     # anything else is passed to train.py as an override
@@ -106,8 +107,9 @@ def main() -> None:
         ap.error(f"no {configs}/<name>.yaml for "
                  f"{sorted(set(names) - set(available)) or 'any arm'}; "
                  f"available: {', '.join(available) or 'none'}")
-    if "none" not in names:
-        ap.error("the comparison needs its baseline: include none")
+    missing = {"none", *a.baseline.split(",")} - set(names)  # (none's model: RLEP's phase I)
+    if missing:
+        ap.error(f"the comparison needs its baseline: include {', '.join(sorted(missing))}")
     if len(set(a.seeds)) < len(a.seeds):
         ap.error(f"--seeds names a seed twice: {' '.join(map(str, a.seeds))}")
     ap.check_folder("--out", a.out)
@@ -130,6 +132,7 @@ def main() -> None:
     print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
     runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest",
+               "--baseline", a.baseline,
                "--overwrite"]  # (its own comparison: a reproduction started again replaces it)
     subprocess.run([*compare, "--out-dir", str(out / "compare")], cwd=REPO, check=True)
     if importlib.util.find_spec("matplotlib") is None:

@@ -249,6 +249,45 @@ def test_a_missing_greedy_is_left_out_never_zero(tmp_path, capsys):
     assert "no run of the baseline 'none' logged eval/greedy" in err and err.count("\n") == 1
 
 
+def test_a_tuned_baseline_is_the_arm_of_highest_mean_area_in_accuracy(tmp_path, capsys):
+    """--baseline none,lo,hi,short (#60's tuned baseline): the arm of highest mean area in avg@k at
+    the first arm's budget is the baseline of the table and of compare.json under every --metric
+    (`lo` has the higher accuracy, `hi` the higher pass@k: lo in both); the areas it chose by are
+    those the table gives each arm; `short`, the highest in accuracy, has a run that generated
+    less than the budget, so no area and no claim; an arm with no run is one line, exit 2."""
+    arms = {"none": ([0.2, 0.3, 0.4, 0.5], [0.5, 0.6, 0.7, 0.8]),
+            "lo": ([0.2, 0.4, 0.5, 0.55], [0.5, 0.55, 0.6, 0.65]),
+            "hi": ([0.2, 0.25, 0.35, 0.45], [0.5, 0.7, 0.8, 0.9]),
+            "short": ([0.2, 0.6, 0.7, 0.8], [0.5, 0.6, 0.7, 0.8])}
+    runs = []
+    for arm, (accs, passes) in arms.items():
+        for seed in range(2):
+            accs = [a + 0.01 * seed * (i > 0) for i, a in enumerate(accs)]
+            generated = 100 - 10 * (arm == "short" and seed == 1)  # 270 tokens, the budget 300
+            evals = rows(accs, generated, 150, 0, 100, pass_at_k=passes)
+            runs.append(run_folder(tmp_path, arm, seed, evals))
+    for metric in ("accuracy", "pass@k"):
+        out = tmp_path / metric
+        cp.main([*labelled(runs), "--baseline", "none,lo,hi,short", "--metric", metric,
+                 "--out-dir", str(out)])
+        assert "baseline lo: the highest mean area in avg@k at 300 generated tokens" in (
+            capsys.readouterr().out)
+        result = json.loads((out / "compare.json").read_text())
+        assert result["baseline"] == "lo" and result["budget"] == 300
+        assert result["strategies"][0]["strategy"] == "lo"
+        chosen_by = result["tuned_over"]
+        assert math.isnan(chosen_by["short"]) and max(chosen_by, key=chosen_by.get) == "lo"
+    cp.main([*labelled(runs), "--baseline", "lo", "--out-dir", str(tmp_path / "plain")])
+    table = json.loads((tmp_path / "plain" / "compare.json").read_text())["strategies"]
+    for row in table:  # (the table's mean for `short` is its one run's that reaches the budget)
+        assert same(chosen_by[row["strategy"]], row["area_mean"]) or row["area_n"] < row["seeds"]
+    with pytest.raises(SystemExit) as e:
+        cp.main([*labelled(runs), "--baseline", "none,lo,nope", "--out-dir", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "no run is in the baseline arm 'nope'" in err and not (tmp_path / "x").exists()
+
+
 def test_the_new_eval_fields_are_checked():
     """eval/pass@k, maj@k, greedy and their step-0 values are fractions; eval/n a count."""
     row = {"eval/pass@k": 0.8, "eval/n": 200}
