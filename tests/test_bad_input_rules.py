@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fixtures import previous_run, snapshot
+from fixtures import previous_run, snapshot, train_here
 from safetensors.torch import load_file, save_file
 
 import config
@@ -121,7 +121,7 @@ def trained(tmp_path_factory) -> Path:
     if not (MODEL / "config.json").is_file():
         pytest.skip("no tiny model")
     out = tmp_path_factory.mktemp("trained") / "run"
-    r = run_script("train.py", *TINY, f"--out_dir={out}", "--max_steps=4")
+    r = train_here(*TINY, f"--out_dir={out}", "--max_steps=4")  # (train.py's main, in here)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 

@@ -1,9 +1,10 @@
-"""Integrity by content, not only by size (#49), through train.py and eval.py in subprocesses: a
-checkpoint file changed at its size is refused at --resume (its manifest's sha256); a training or
-eval file giving one problem two gold answers, or an answer blank to the eye, is refused at load.
-Integrity does not lapse with the manifest (#58): a checkpoint of this layout whose manifest is
-gone, empty or incomplete is refused as damaged, never resumed as an older layout's; a method's
-state missing from a checkpoint of a run that had it is refused.
+"""Integrity by content, not only by size (#49), refused by train.py and eval.py in subprocesses (a
+run that succeeds: train.py's main in this process): a checkpoint file changed at its size is
+refused at --resume (its manifest's sha256); a training or eval file giving one problem two gold
+answers, or an answer blank to the eye, is refused at load. Integrity does not lapse with the
+manifest (#58): a checkpoint of this layout whose manifest is gone, empty or incomplete is refused
+as damaged, never resumed as an older layout's; a method's state missing from a checkpoint of a run
+that had it is refused.
 
   pytest -q tests/test_integrity_content.py        # ~1 min on 2 busy cores
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import snapshot
+from fixtures import snapshot, train_here
 from safetensors.torch import load_file, save_file
 
 from fixtures import REPO  # (tests/fixtures.py: the repository's root)
@@ -49,7 +50,7 @@ def refused(r: subprocess.CompletedProcess, *words: str) -> str:
 @pytest.mark.parametrize("name", ["model.safetensors", "state_rank0.pt"])
 def test_a_checkpoint_file_changed_at_its_size_is_refused(tmp_path, name):
     out = tmp_path / "run"
-    r = run("train.py", *TINY, f"--out_dir={out}", "--max_steps=4")
+    r = train_here(*TINY, f"--out_dir={out}", "--max_steps=4")
     assert r.returncode == 0, r.stderr[-3000:]
     f = out / "checkpoints" / "step_000004" / name
     data = bytearray(f.read_bytes())
@@ -94,8 +95,7 @@ def test_a_problem_with_two_golds_or_a_blank_one_is_refused_at_load(tmp_path, ro
 
 def test_a_problem_given_twice_with_one_gold_trains(tmp_path):
     f = problems_file(tmp_path, GOOD + [{"problem": "3+3", "answer": "6"}])
-    r = run("train.py", *TINY, f"--out_dir={tmp_path / 'run'}", f"--data.train={f}",
-            "--max_steps=1")
+    r = train_here(*TINY, f"--out_dir={tmp_path / 'run'}", f"--data.train={f}", "--max_steps=1")
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -104,7 +104,7 @@ def test_a_training_file_rewritten_in_place_is_refused_at_resume(tmp_path):
     other problems is refused at --resume (one line naming the file and what to do); the file put
     back resumes."""
     f, out = problems_file(tmp_path, GOOD), tmp_path / "run"
-    r = run("train.py", *TINY, f"--out_dir={out}", f"--data.train={f}", "--max_steps=2")
+    r = train_here(*TINY, f"--out_dir={out}", f"--data.train={f}", "--max_steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     original = f.read_bytes()
     problems_file(tmp_path, [{"problem": f"{i}*{i}", "answer": str(i * i)} for i in range(1, 9)])
@@ -129,7 +129,7 @@ SKIP = [*TINY, "--skip.enabled=true", "--checkpoint.every=1"]  # GRESO: a method
 def skip_run(tmp_path_factory) -> Path:
     """A GRESO run of 2 steps, a checkpoint after each."""
     out = tmp_path_factory.mktemp("skip") / "run"
-    r = run("train.py", *SKIP, f"--out_dir={out}", "--max_steps=2")
+    r = train_here(*SKIP, f"--out_dir={out}", "--max_steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -237,6 +237,6 @@ def test_an_older_layout_with_a_manifest_of_sizes_is_called_that(skip_run, tmp_p
 def test_a_checkpoint_whole_by_its_manifest_resumes(skip_run, tmp_path):
     """The rules above refuse nothing whole: the GRESO run resumes from step 2."""
     out = copy_run(skip_run, tmp_path)
-    r = run("train.py", *SKIP, f"--out_dir={out}", "--max_steps=3", "--resume")
+    r = train_here(*SKIP, f"--out_dir={out}", "--max_steps=3", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stderr and (out / "checkpoints" / "step_000003").is_dir()
