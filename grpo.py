@@ -1,5 +1,6 @@
-"""GRPO as functions on tensors (group advantages, token log-probs, the clipped loss and its
-metrics), and `update_policy`, which applies the loss to one batch in mini- and micro-batches.
+"""GRPO as functions on tensors (group advantages, token log-probs, the clipped loss; its metrics
+are summed in metrics.py), and `update_policy`, which applies the loss to one batch in mini- and
+micro-batches.
 
 Per completion token t of rollout i (advantage A_i; log-probs at the sampling temperature):
 
@@ -71,7 +72,7 @@ import torch
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
-from metrics import timed
+from metrics import logp_gap, loss_metrics, timed, update_summary
 from support import parallel
 from support.logprobs import completion_logprobs, mode
 from support.parallel import hf_module
@@ -241,34 +242,13 @@ def policy_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tens
         per_tok = per_tok + cfg.beta * kl
     loss = aggregate(per_tok, m, cfg.loss_agg, n_seqs, n_tokens, max_new_tokens)
     with torch.no_grad():
-        metrics = _loss_metrics(loss, m, A, ratio, log_ratio, log_w.exp(), dual, cfg)
+        metrics = loss_metrics(loss, m, A, ratio, log_ratio, log_w.exp(), dual, cfg)
         extra = {"entropy": entropy, "kl_ref": kl if cfg.beta > 0 else None,
                  "engine_is_weight_mean": engine_w}
         for key, x in extra.items():
             if x is not None:
                 metrics[key] = valid(x.detach().to(logp.dtype)).sum()
     return loss, metrics
-
-
-def _loss_metrics(loss: Tensor, m: Tensor, A: Tensor, ratio: Tensor, log_ratio: Tensor,
-                  raw_w: Tensor, dual: Tensor, cfg: GRPOConfig) -> dict:
-    """The loss, the token count and token sums over the mask m (B, L) (to divide by `tokens`
-    once added over micro-batches and ranks); is_weight (π_prox/μ before truncation, (B, L))
-    also by its max and min."""
-    r = ratio.detach()  # (B, L)
-
-    def total(x: Tensor) -> Tensor:
-        return torch.where(m, x.to(r.dtype), 0.0).sum()
-
-    return {"loss": loss.detach(), "tokens": total(torch.ones_like(r)),
-            "clip_dual": total(dual),
-            "clip_low": total((A < 0) & (r < 1 - cfg.eps_low)),
-            "clip_high": total((A > 0) & (r > 1 + cfg.eps_high)),
-            "approx_kl": total((r - 1) - log_ratio.detach()),
-            "is_weight_mean": total(raw_w),
-            "is_capped": total(raw_w > cfg.is_cap) * (cfg.offpolicy == "decoupled"),
-            "is_weight_max": torch.where(m, raw_w, -math.inf).amax(),
-            "is_weight_min": torch.where(m, raw_w, math.inf).amin()}
 
 
 def aggregate(per_tok: Tensor, mask: Tensor, how: str, n_seqs: int, n_tokens: int,
@@ -461,10 +441,10 @@ def run_pass(u: Update, k: int, inspect=None) -> bool:
 
 
 def finish_update(u: Update, extra: dict | None = None) -> tuple:
-    """(the update's metrics: `_summary` of its steps, then `extra`, then its token passes summed
-    over ranks; each row's mean token entropy (NaN if not trained on); why each step was skipped
-    (None when taken); seconds per phase)."""
-    metrics = _summary(u.steps, u.skipped, u.gaps, u.s.optim.minibatches) | (extra or {})
+    """(the update's metrics: metrics.update_summary of its steps, then `extra`, then its token
+    passes summed over ranks; each row's mean token entropy (NaN if not trained on); why each step
+    was skipped (None when taken); seconds per phase)."""
+    metrics = update_summary(u.steps, u.skipped, u.gaps, u.s.optim.minibatches) | (extra or {})
     totals = all_ranks(torch.tensor(list(u.cost.values()), dtype=torch.float64))  # every rank's
     cost = dict(zip(u.cost, totals.tolist()))
     return metrics | cost, u.entropy, u.skipped, u.times
@@ -520,42 +500,6 @@ def _forward_backward(s, policy, at: Update, run: Tensor, old: Tensor | None, n_
         lo = torch.minimum(lo, m.pop("is_weight_min").cpu())
         sums = {k: sums.get(k, 0.0) + v.double().cpu() for k, v in m.items()}
     return sums, hi, lo
-
-
-def _summary(steps: list[dict], reasons: list, gaps: list[Tensor], minibatches: int) -> dict:
-    """The update's metrics: each averaged over the optimizer steps that have it (a step with no
-    trained row has only loss and grad_norm); tokens and rows summed over the steps applied."""
-    keys = sorted({k for step in steps for k in step})
-    metrics = {}
-    for k in keys:
-        have = [step[k] for step in steps if k in step]
-        metrics[k] = sum(have) / len(have)
-    metrics |= _gap_metrics(gaps)
-    applied = [step for step, why in zip(steps, reasons) if why != "gated"]
-    metrics["tokens"] = sum(step.get("tokens", 0.0) for step in applied)
-    metrics["rows"] = sum(step["rows"] for step in applied)  # rows with a gradient, every pass
-    metrics["optim/epochs_run"] = len(applied) / minibatches
-    metrics["optim/gated"] = float("gated" in reasons)
-    return metrics
-
-
-def logp_gap(logp: Tensor, behav_logp: Tensor, mask: Tensor) -> Tensor:
-    """(3,) float64: sum, count and max of |trainer − behaviour log-prob| over `mask` (B, L)."""
-    gap = (logp.detach().double().cpu() - behav_logp.double()).abs()[mask.cpu()]  # (n,)
-    top = gap.max() if len(gap) else torch.tensor(0.0, dtype=torch.float64)
-    return torch.stack([gap.sum(), torch.tensor(float(len(gap)), dtype=torch.float64), top])
-
-
-def _gap_metrics(gaps: list[Tensor]) -> dict:
-    """rollout/logp_gap_mean and _max over every rank's fresh tokens that were run (NaN when none
-    was): the training-inference mismatch at the weights that sampled them."""
-    g = torch.stack(gaps) if gaps else torch.zeros(1, 3, dtype=torch.float64)  # (n, 3)
-    total = all_ranks(g[:, :2].sum(0))
-    top = all_ranks(g[:, 2].max(), MAX)
-    if total[1] == 0:
-        return {"rollout/logp_gap_mean": math.nan, "rollout/logp_gap_max": math.nan}
-    mean = (total[0] / total[1]).item()
-    return {"rollout/logp_gap_mean": mean, "rollout/logp_gap_max": float(top)}
 
 
 def engine_rows(engine: str, rows, device) -> Tensor | None:

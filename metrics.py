@@ -1,18 +1,22 @@
 """A training step's metrics line (train.py's step 7): the fresh rows' statistics summed over
 ranks, the update's metrics, each rank's own ones (advantages, verifier, replay, skipping, dynamic
 sampling) averaged over ranks, the run's cumulative counts (kept in the checkpointed progress) and
-the phase times.
+the phase times. The update's metrics are computed here too (grpo.py calls them): a micro-batch's
+loss terms as sums (`loss_metrics`), the update's summary over its optimizer steps, and the gap
+between the trainer's and the sampler's log-probs.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 
 import torch
+from torch import Tensor
 
 from batch import Rollouts
-from support.parallel import all_ranks
+from support.parallel import MAX, all_ranks
 
 # The update's counts that progress sums: tokens and rows trained, tokens of its forward-backward
 # passes (every pass over the batch) and of its no-grad passes (π_old, the reference)
@@ -65,3 +69,64 @@ def timed(times: dict, name: str):
         yield
     finally:
         times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------ the update's metrics
+
+
+def loss_metrics(loss: Tensor, m: Tensor, A: Tensor, ratio: Tensor, log_ratio: Tensor,
+                 raw_w: Tensor, dual: Tensor, cfg) -> dict:
+    """grpo.policy_loss's metrics (cfg its grpo.GRPOConfig): the loss, the token count and token
+    sums over the mask m (B, L) (to divide by `tokens` once added over micro-batches and ranks);
+    is_weight (π_prox/μ before truncation, (B, L)) also by its max and min."""
+    r = ratio.detach()  # (B, L)
+
+    def total(x: Tensor) -> Tensor:
+        return torch.where(m, x.to(r.dtype), 0.0).sum()
+
+    return {"loss": loss.detach(), "tokens": total(torch.ones_like(r)),
+            "clip_dual": total(dual),
+            "clip_low": total((A < 0) & (r < 1 - cfg.eps_low)),
+            "clip_high": total((A > 0) & (r > 1 + cfg.eps_high)),
+            "approx_kl": total((r - 1) - log_ratio.detach()),
+            "is_weight_mean": total(raw_w),
+            "is_capped": total(raw_w > cfg.is_cap) * (cfg.offpolicy == "decoupled"),
+            "is_weight_max": torch.where(m, raw_w, -math.inf).amax(),
+            "is_weight_min": torch.where(m, raw_w, math.inf).amin()}
+
+
+def update_summary(steps: list[dict], reasons: list, gaps: list[Tensor],
+                   minibatches: int) -> dict:
+    """The update's metrics: each averaged over the optimizer steps that have it (a step with no
+    trained row has only loss and grad_norm); tokens and rows summed over the steps applied."""
+    keys = sorted({k for step in steps for k in step})
+    metrics = {}
+    for k in keys:
+        have = [step[k] for step in steps if k in step]
+        metrics[k] = sum(have) / len(have)
+    metrics |= gap_metrics(gaps)
+    applied = [step for step, why in zip(steps, reasons) if why != "gated"]
+    metrics["tokens"] = sum(step.get("tokens", 0.0) for step in applied)
+    metrics["rows"] = sum(step["rows"] for step in applied)  # rows with a gradient, every pass
+    metrics["optim/epochs_run"] = len(applied) / minibatches
+    metrics["optim/gated"] = float("gated" in reasons)
+    return metrics
+
+
+def logp_gap(logp: Tensor, behav_logp: Tensor, mask: Tensor) -> Tensor:
+    """(3,) float64: sum, count and max of |trainer − behaviour log-prob| over `mask` (B, L)."""
+    gap = (logp.detach().double().cpu() - behav_logp.double()).abs()[mask.cpu()]  # (n,)
+    top = gap.max() if len(gap) else torch.tensor(0.0, dtype=torch.float64)
+    return torch.stack([gap.sum(), torch.tensor(float(len(gap)), dtype=torch.float64), top])
+
+
+def gap_metrics(gaps: list[Tensor]) -> dict:
+    """rollout/logp_gap_mean and _max over every rank's fresh tokens that were run (NaN when none
+    was): the training-inference mismatch at the weights that sampled them."""
+    g = torch.stack(gaps) if gaps else torch.zeros(1, 3, dtype=torch.float64)  # (n, 3)
+    total = all_ranks(g[:, :2].sum(0))
+    top = all_ranks(g[:, 2].max(), MAX)
+    if total[1] == 0:
+        return {"rollout/logp_gap_mean": math.nan, "rollout/logp_gap_max": math.nan}
+    mean = (total[0] / total[1]).item()
+    return {"rollout/logp_gap_mean": mean, "rollout/logp_gap_max": float(top)}

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 from bench import cli
 
 READING_PATH = ["train.py", "grpo.py", "rollout.py", "replay.py"]
-# #48: the update's log-prob pass is read in grpo.py now (≈ 100 lines from support/logprobs.py)
-BUDGETS = {"train.py": 350, "grpo.py": 530, "rollout.py": 260, "replay.py": 500, "config.py": 330}
+# grpo.py reads the update's log-prob pass (#48); metrics.py its metrics (518 -> 472 lines)
+BUDGETS = {"train.py": 350, "grpo.py": 480, "rollout.py": 260, "replay.py": 500, "config.py": 330}
 READING_BUDGET = 1650
 PACKAGES = ["support", "methods", "analysis"]  # scale and I/O; the methods compared; the analysis
 PACKAGE_BUDGET = 300  # each module of each package

@@ -21,6 +21,7 @@ from bench.generation import CountOps
 from bench.gpu_check import counting_all_gathers
 from config import update_settings
 from data.build_tiny_model import build_tokenizer
+from metrics import gap_metrics, logp_gap
 from rollout import RolloutConfig, generate
 from support import logprobs, parallel
 from support.parallel import hf_module
@@ -224,8 +225,8 @@ def test_logp_gap_hand_values():
     logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
     behav = torch.tensor([[0.0, -1.5, -1.0], [9.0, -0.25, 0.0]])
     mask = torch.tensor([[False, True, True], [False, True, False]])
-    assert grpo.logp_gap(logp, behav, mask).tolist() == [1.75, 3.0, 1.0]
-    metrics = grpo._gap_metrics([grpo.logp_gap(logp, behav, mask)])
+    assert logp_gap(logp, behav, mask).tolist() == [1.75, 3.0, 1.0]
+    metrics = gap_metrics([logp_gap(logp, behav, mask)])
     assert metrics["rollout/logp_gap_mean"] == pytest.approx(1.75 / 3)
     assert metrics["rollout/logp_gap_max"] == 1.0
 
