@@ -61,16 +61,22 @@ def budget_of(runs: list[dict], base: list[dict], budget: float | str | None) ->
     return min(finished)
 
 
-def tuned(runs: list[dict], arms: list[str], budget: float | str | None) -> tuple:
-    """(the baseline: the arm of `arms` whose runs have the highest mean area in avg@k, each arm's
-    mean area, the budget: `budget_of` with the first arm's evaluated runs as the baseline's). An
-    arm qualifies only if every one of its runs reaches the budget (else NaN: its mean would leave
-    out the runs that generated least). ValueError when an arm has no run, or none qualifies."""
+def filed_or_refused(runs: list[dict], arms: list[str]) -> None:
+    """ValueError naming the first of `arms` (--baseline's) that no run is filed under (not "has no
+    eval": no run is in that arm at all), and the arms the runs are in."""
     filed = sorted({run["strategy"] for run in runs})
     missing = [arm for arm in arms if arm not in filed]
     if missing:
         raise ValueError(f"no run is in the baseline arm {missing[0]!r} (--baseline names it); "
                          f"the runs' arms: {', '.join(filed)}")
+
+
+def tuned(runs: list[dict], arms: list[str], budget: float | str | None) -> tuple:
+    """(the baseline: the arm of `arms` whose runs have the highest mean area in avg@k, each arm's
+    mean area, the budget: `budget_of` with the first arm's evaluated runs as the baseline's). An
+    arm qualifies only if every one of its runs reaches the budget (else NaN: its mean would leave
+    out the runs that generated least). ValueError when an arm has no run, or none qualifies."""
+    filed_or_refused(runs, arms)
     first = [run for run in runs if run["strategy"] == arms[0] and run["curves"]["accuracy"]]
     if not first:
         raise ValueError(f"no run of the baseline {arms[0]!r} has an eval (--baseline names it)")
@@ -94,8 +100,9 @@ def tuned_line(baseline: str, areas: dict, budget: float) -> str:
     """What `tuned` chose, and from what, on one line."""
     cells = []
     for arm, a in areas.items():
-        cells.append(f"{arm} {100 * a:.1f} %")
+        cell = f"{arm} {100 * a:.1f} %"
         if math.isnan(a):
-            cells[-1] = f"{arm} none (a run short of the budget)"
+            cell = f"{arm} none (a run short of the budget)"
+        cells.append(cell)
     return (f"baseline {baseline}: the highest mean area in avg@k at {budget:,.0f} generated "
             f"tokens of {', '.join(cells)}")

@@ -24,7 +24,7 @@ import math
 import statistics
 from pathlib import Path
 
-from analysis.area import area, budget_of, common_grid, tuned, tuned_line
+from analysis.area import area, budget_of, common_grid, filed_or_refused, tuned, tuned_line
 from analysis.compare_io import (arm_versions, compare_table, given_twice, load_run,
                                  out_dir_checked, positive_number, run_arg, write)
 from analysis.evals import METRICS, use_metric
@@ -99,13 +99,10 @@ def crossings(run: dict, target: float, gain_target: float, base_tokens: float) 
 def compare_runs(runs: list[dict], baseline: str, target: float | None,
                  budget: float | str | None, gain_fraction: float = 0.9):
     """(per-arm rows, target, budget) against the `baseline` runs, whose mean final accuracy is the
-    default target (budget: analysis/baseline.budget_of). The second target, below the plateau
+    default target (budget: analysis/area.budget_of). The second target, below the plateau
     the baseline's own seeds cross only near their end: its mean initial accuracy plus
     `gain_fraction` of its mean gain (each row's `gain_target`)."""
-    filed = sorted({run["strategy"] for run in runs})
-    if baseline not in filed:  # (not "has no eval": no run is filed under that arm at all)
-        raise ValueError(f"no run is in the baseline arm {baseline!r} (--baseline names it); "
-                         f"the runs' arms: {', '.join(filed)}")
+    filed_or_refused(runs, [baseline])
     base = [run for run in runs if run["strategy"] == baseline and run["final"] is not None]
     if not base:
         raise ValueError(f"no run of the baseline {baseline!r} has an eval (--baseline names it)")
