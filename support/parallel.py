@@ -133,6 +133,14 @@ def share(items: list) -> list:
     return items[rank::world]
 
 
+def check_share(prompts: int) -> None:
+    """A step's `prompts` must split evenly over the ranks (each rank then has as many groups)."""
+    world = rank_and_world()[1]
+    if prompts % world:
+        raise RunError(f"prompts per step ({prompts}) must be divisible by the number of "
+                       f"processes ({world})")
+
+
 def fork_rng(device: torch.device):
     """torch.random.fork_rng over the CPU stream and, on a GPU, this rank's device's."""
     devices = []

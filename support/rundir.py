@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from metrics import RunLog
 from support.locks import lock_folder, remove_empty, restore_lock
 from support.util import RunError, flat_dict, fsync
 
@@ -103,12 +104,12 @@ class RunFolder:
         except OSError as e:
             raise RunError(f"out_dir {self.out} is not writable: {e.strerror or e}") from None
 
-    def open_log(self, cfg, step: int, wandb_id: str | None, resumed: bool) -> tuple:
+    def open_log(self, cfg, step: int, wandb_id: str | None, resumed: bool) -> RunLog:
         """config.yaml, metrics.jsonl (on resume: both written aside, the metrics cut back to the
-        checkpoint's `step`), the wandb run (a resume continues `wandb_id`): returns (metrics open
-        for appending, the wandb run or None)."""
+        checkpoint's `step`), the wandb run (a resume continues `wandb_id`): rank 0's log (another
+        rank's writes nothing)."""
         if self.rank:
-            return None, None
+            return RunLog(None, None, wandb_id)
         config = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
         path = self.out / "metrics.jsonl"
         if resumed:  # lines after the checkpoint will be written again; a line cut by a kill goes
@@ -119,7 +120,7 @@ class RunFolder:
             path = self.pending[0]
         else:
             write_file(self.out / "config.yaml", config)
-        return open(path, "a"), start_wandb(cfg, self.out, wandb_id)
+        return RunLog(open(path, "a"), start_wandb(cfg, self.out, wandb_id), wandb_id)
 
     def step_done(self, saved: bool) -> None:
         """After a step: the run --overwrite set aside goes; once a checkpoint is `saved`, a

@@ -171,6 +171,16 @@ def command_errors(prefix: str, debug: bool, errors: tuple):
         raise SystemExit(2) from None
 
 
+@contextmanager
+def reworded(what: str, *errors: type):
+    """`errors` raised in the block become a RunError (one line, after `what`): bad input a callee
+    reports with a library's exception."""
+    try:
+        yield
+    except errors as e:
+        raise RunError(f"{what}{oneline(e)}") from None
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line and exit 2, as every other bad input (no usage block)."""
 
