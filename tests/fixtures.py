@@ -188,25 +188,32 @@ def set_chain(model, chain: list[int], margin: float = 60.0) -> None:
 # ------------------------------------------------------------------------------- train.py in here
 
 
-def train_here(*argv: str) -> subprocess.CompletedProcess:
-    """`python train.py *argv` as train.main(argv) in this process, from the repository's root:
-    what a subprocess runs, without the 9-10 s each one spends importing torch and transformers.
-    For tests of what a run does and writes; a test of the command line as a user meets it (exit
-    code, the one line on stderr, a signal, the process's environment) runs a subprocess. stdout
-    and stderr are captured (a bug raises here, with its traceback); the signal handlers a run
+def main_here(main, argv) -> subprocess.CompletedProcess:
+    """A command's `main(argv)` in this process: what a subprocess of it runs, without the 5-10 s
+    each one spends importing torch and transformers. Its exit code (returned, or SystemExit's),
+    stdout and stderr captured (a bug raises here, with its traceback); the signal handlers a run
     installs (support/preempt.STOP) are put back after it."""
-    import train
-
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     out, err = io.StringIO(), io.StringIO()
     try:
-        with (contextlib.chdir(REPO), contextlib.redirect_stdout(out),
-              contextlib.redirect_stderr(err)):
-            code = train.main(list(argv))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
-    return subprocess.CompletedProcess(["train.py", *argv], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+def train_here(*argv: str) -> subprocess.CompletedProcess:
+    """`python train.py *argv` from the repository's root, through main_here. For tests of what a
+    run does and writes; a test of the command line as a user meets it (exit code, the one line on
+    stderr, a signal, the process's environment) runs a subprocess."""
+    import train
+
+    with contextlib.chdir(REPO):
+        return main_here(train.main, argv)
 
 
 # ---------------------------------------------------------------------------------------- torchrun

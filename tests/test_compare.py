@@ -2,9 +2,7 @@
 adjustment and the detectable difference against hand-computed values; crossings, intervals, AES
 and the table on synthetic run folders; bench/plateau.py on hand-made curves."""
 
-import contextlib
 import csv
-import io
 import json
 import math
 import subprocess
@@ -19,7 +17,7 @@ from analysis import compare as cp
 from support.util import library_versions
 from test_checkpoint import TINY, needs_model
 
-from fixtures import REPO  # (tests/fixtures.py: the repository's root)
+from fixtures import REPO, main_here  # (tests/fixtures.py: the repository's root)
 
 
 def write_run(root: Path, strategy: str, seed: int, evals: list[tuple], finished: bool = True,
@@ -534,13 +532,7 @@ def compare_cli(out: Path, *args, process: bool = False) -> subprocess.Completed
     if process:
         return subprocess.run([sys.executable, "eval.py", *argv], cwd=REPO, capture_output=True,
                               text=True, timeout=120, check=False)
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            code = ev.main(argv)
-        except SystemExit as e:
-            code = e.code
-    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
+    return main_here(ev.main, argv)
 
 
 def compare_refused(tmp_path: Path, *args, process: bool = False) -> str:
