@@ -65,7 +65,7 @@ def saved_at(out: Path, step: int) -> bool:
 
 
 def summary(cfg, p) -> dict:
-    """summary.json of a finished run (`p`: metrics.Progress): its settings, first and last evals,
+    """summary.json of a finished run (`p`: train.Progress): its settings, first and last evals,
     counts and versions."""
     return {"strategy": cfg.replay.strategy, "seed": cfg.seed, "steps": cfg.max_steps,
             "eval_accuracy_initial": p.eval_initial.get("accuracy"),

@@ -461,7 +461,7 @@ def test_the_methods_that_learn_from_a_rollout_see_each_one(tmp_path):
 
 @needs_model
 def test_only_train_py_writes_the_progress(tmp_path, monkeypatch):
-    """#57: the run's progress (metrics.Progress, what a checkpoint saves) is written by train.py
+    """#57: the run's progress (train.Progress, what a checkpoint saves) is written by train.py
     alone: every field set outside its construction, in a run with an eval and a checkpoint each
     step, a wandb run (offline) and a --resume, is set by code in train.py."""
     writers = set()
