@@ -3,13 +3,14 @@ then be recomputed from the repository, and extended by seeds run later on the s
 
   python bench/keep_runs.py runs/repro/none-s0 runs/repro/sfpo-s0 ... --out docs/kept_runs/lookahead
 
-For each run folder it writes OUT/<name>/: config.yaml and summary.json as they are,
-metrics.jsonl cut to its eval rows (and the last row) with the keys analysis/compare_io.py reads,
-and steps.jsonl: every step's method state (lookahead/*, optim/*, skipped/*), which claims about
-a run's steps rest on (when SFPO stopped, on which steps GXPO moved, the passes each step took).
-A run without summary.json (unfinished) is refused. A kept run is never replaced without
---overwrite (OUT may hold committed runs of the same name), and two runs of one name are refused:
-they would be kept in one folder. Every run is read before anything is written.
+For each run folder it writes OUT/<name>/: config.yaml, summary.json (step 0's pass@k, maj@k and
+greedy from its newest checkpoint where older code left them out), metrics.jsonl cut to its eval
+rows (and the last row) with the keys analysis/compare_io.py reads, and steps.jsonl: every step's
+method state (lookahead/*, optim/*, skipped/*), which claims about a run's steps rest on (when SFPO
+stopped, on which steps GXPO moved, the passes each step took). A run without summary.json
+(unfinished) is refused. A kept run is never replaced without --overwrite (OUT may hold committed
+runs of the same name), and two runs of one name are refused: they would be kept in one folder.
+Every run is read before anything is written.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from analysis.compare_io import NUMBERS, read_run  # the keys the comparison reads
 from bench import cli
+from support.checkpoint import kept_summary
 
 KEPT = {"step", *NUMBERS}
 STEP_KEYS = ("lookahead/", "optim/", "skipped/")  # steps.jsonl's: every step's, by prefix
 FILES = ("config.yaml", "summary.json", "metrics.jsonl", "steps.jsonl")
-READ = FILES[:3]  # (a run folder has no steps.jsonl: it is made here)
 
 
 def kept_rows(run: Path) -> list[dict]:
     """The rows of `run`'s metrics.jsonl that are kept: its eval rows and its last, each cut to
     KEPT; ValueError or OSError naming the file when the run is not a finished, readable one."""
-    for name in READ:
+    for name in FILES[:3]:  # (not steps.jsonl: it is made here)
         if not (run / name).is_file():
             raise ValueError(f"{run} is not a finished run (no {name})")
     _, _, rows = read_run(run)  # every field the comparison reads, checked
@@ -54,10 +55,11 @@ def step_state(row: dict) -> dict:
 
 
 def keep(run: Path, rows: tuple[list[dict], list[dict]], out: Path) -> None:
-    """Write the kept files of `run` into `out`: its kept eval rows and every step's state."""
+    """Write the kept files of `run` into `out`: its config, its summary (with the step-0 evals its
+    newest checkpoint saved, where it lacks them), its kept eval rows and every step's state."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.yaml", "summary.json"):
-        shutil.copyfile(run / name, out / name)
+    shutil.copyfile(run / "config.yaml", out / "config.yaml")
+    (out / "summary.json").write_text(json.dumps(kept_summary(run), indent=2) + "\n")
     for name, kept in zip(("metrics.jsonl", "steps.jsonl"), rows):
         lines = [json.dumps(row) for row in kept]
         (out / name).write_text("\n".join(lines) + "\n")

@@ -7,6 +7,7 @@ itself (lock, --overwrite, the log) is support/rundir.py's.
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import shutil
@@ -64,14 +65,17 @@ def saved_at(out: Path, step: int) -> bool:
     return bool(last) and last[-1].name == f"step_{step:06d}"
 
 
+# summary.json's step-0 evals: its key for each of the eval's figures
+INITIAL_EVALS = {"eval_accuracy_initial": "accuracy", "eval_pass_at_k_initial": "pass@k",
+                 "eval_maj_at_k_initial": "maj@k", "eval_greedy_initial": "greedy"}
+
+
 def summary(cfg, p) -> dict:
     """summary.json of a finished run (`p`: train.Progress): its settings, first and last evals,
     counts and versions."""
+    initial = {key: p.eval_initial.get(name) for key, name in INITIAL_EVALS.items()}
     return {"strategy": cfg.replay.strategy, "seed": cfg.seed, "steps": cfg.max_steps,
-            "eval_accuracy_initial": p.eval_initial.get("accuracy"),
-            "eval_pass_at_k_initial": p.eval_initial.get("pass@k"),
-            "eval_maj_at_k_initial": p.eval_initial.get("maj@k"),
-            "eval_greedy_initial": p.eval_initial.get("greedy"),
+            **initial,
             "eval_accuracy_final": p.eval_last.get("accuracy"),
             "eval_response_len_final": p.eval_last.get("response_len"),
             "eval_entropy_final": p.eval_last.get("entropy"),
@@ -87,6 +91,23 @@ def summary(cfg, p) -> dict:
             "tokens_generated_total": p.generated_tokens + p.source_tokens,
             "wall_seconds": p.wall,
             "skipped_updates": p.skipped}
+
+
+def kept_summary(run: Path) -> dict:
+    """summary.json of the finished run in `run`, with the step-0 evals it lacks read from the
+    progress its newest checkpoint saved and "eval_initial_from" naming that checkpoint (code
+    before 4f03516 wrote step 0's accuracy alone); as it is when none lacks or no checkpoint is
+    left."""
+    kept = json.loads((run / "summary.json").read_text())
+    missing = [key for key in INITIAL_EVALS if key not in kept]
+    states = sorted(run.glob("checkpoints/step_*/state_rank0.pt"))
+    if not missing or not states:
+        return kept
+    saved = torch.load(states[-1], weights_only=True)["run"]["eval_initial"]
+    for key in missing:
+        kept[key] = saved.get(INITIAL_EVALS[key])
+    kept["eval_initial_from"] = str(states[-1].relative_to(run))
+    return kept
 
 
 def failure(e: BaseException, out: Path, step: int) -> RunError | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures import REPO, snapshot
+from test_checkpoint import needs_model, run_train
 
 from bench import cli
 
@@ -189,6 +190,30 @@ def test_keep_runs_never_replaces_a_kept_run_without_overwrite(work, monkeypatch
     steps = (work / "kept" / "gxpo-s0" / "steps.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in steps][1] == {"step": 20, "lookahead/active": 0.0}
 
+
+
+@needs_model
+def test_keep_runs_restores_step_0_evals_from_the_runs_checkpoint(tmp_path, monkeypatch, capsys):
+    """A finished run whose summary.json lacks step 0's pass@k, maj@k and greedy (as code before
+    4f03516 wrote it) is kept with the values its newest checkpoint saved: those train.py had
+    written, and the checkpoint named; a run whose summary has them is kept as it is."""
+    run = tmp_path / "runs" / "none-s0"
+    assert run_train(run, "--eval.k=2", steps=2).returncode == 0
+    summary = json.loads((run / "summary.json").read_text())
+    lacking = ("eval_pass_at_k_initial", "eval_maj_at_k_initial", "eval_greedy_initial")
+    assert all(summary[key] is not None for key in lacking)
+    old = {key: value for key, value in summary.items() if key not in lacking}
+    (run / "summary.json").write_text(json.dumps(old))
+    code, _, err = run_main("keep_runs.py", [str(run), "--out", str(tmp_path / "kept")],
+                            monkeypatch, capsys)
+    assert code == 0, err
+    kept = json.loads((tmp_path / "kept" / "none-s0" / "summary.json").read_text())
+    assert kept == summary | {"eval_initial_from": "checkpoints/step_000002/state_rank0.pt"}
+    (run / "summary.json").write_text(json.dumps(summary))
+    code, _, err = run_main("keep_runs.py", [str(run), "--out", str(tmp_path / "kept2")],
+                            monkeypatch, capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "kept2" / "none-s0" / "summary.json").read_text()) == summary
 
 def test_keep_runs_refuses_two_runs_of_one_name(work, monkeypatch, capsys):
     """Two runs named gxpo-s1 from two folders would be kept in one: the second replaced the
