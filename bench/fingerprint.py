@@ -14,6 +14,7 @@ folder and prints `case  sha256(metrics)  sha256(final weights)`. The vllm case 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import math
 import json
 import os
@@ -80,25 +81,18 @@ def digest(out: Path) -> tuple[str, str]:
 
 
 def run(name: str, launcher: list[str], args: list[str]) -> str:
-    if name == "vllm" and not _has_vllm():
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
         return f"{name:12s} skipped (vLLM not installed)"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / name
         cmd = (launcher or [sys.executable]) + [str(ROOT / "train.py"), *args, *SHORT,
                                                 f"--out_dir={out}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-        done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True,
-                              text=True)
+        done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode:
             return f"{name:12s} FAILED {done.returncode}: {done.stderr.strip()[-300:]}"
         metrics, weights = digest(out)
         return f"{name:12s} {metrics} {weights}"
-
-
-def _has_vllm() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,7 @@
 """Reproduce the replay claims at tiny scale: every config of a folder × 10 seeds on the embedded
-task, then the comparison table (eval.py --compare, the area to the shortest finished run's tokens)
-and its plot.
+task, then the comparison tables (eval.py --compare, the area to the shortest finished run's tokens)
+in <out>/compare/<metric>/ (accuracy, pass_at_k, maj_at_k, greedy; with a tuned --baseline, against
+`none` too in compare/vs_none/) and accuracy's plot.
 
 Usage:
   python bench/reproduce_tiny.py                                      # configs/tiny/* -> runs/repro
@@ -19,8 +20,8 @@ behaviour log-probs (as RLEP collects them from a finished run; eval.py --save-c
 then seed 1, ...), so a reproduction stopped part-way has as many seeds of every arm. A run
 already finished (summary.json present) is kept, so an interrupted reproduction can simply be
 started again; an unfinished one resumes from its newest checkpoint (--resume: bit-identical to
-an uninterrupted run), or is started over (--overwrite) if it saved none. The comparison and its
-plot in <out>/compare are the reproduction's own: a reproduction started again replaces them.
+an uninterrupted run), or is started over (--overwrite) if it saved none. The tables and the plot
+are the reproduction's own: a reproduction started again replaces them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from analysis.evals import METRICS
 from bench import cli
 from config import load_config
 from replay import STRATEGIES
@@ -80,19 +82,16 @@ def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path
              "--top-k", str(r.top_k), "--max-new-tokens", str(r.max_new_tokens),
              "--benchmarks", "tiny_train", "--template", cfg.data.template,
              "--batch-size", "256", "--save-correct", str(phase1),
-             "--out-dir", str(out / "rlep_phase1"), "--overwrite"],
-            cwd=REPO, check=True)
+             "--out-dir", str(out / "rlep_phase1"), "--overwrite"], cwd=REPO, check=True)
     return phase1
 
 
 def main() -> None:
     ap = cli.Parser(__file__, __doc__)
-    ap.add_argument("--configs", default="configs/tiny",
-                    help="folder with one <name>.yaml per arm")
+    ap.add_argument("--configs", default="configs/tiny", help="folder with one <name>.yaml per arm")
     ap.add_argument("--out", default=None,
                     help="where the runs go (default runs/repro, runs/repro_<folder suffix>)")
-    ap.add_argument("--names", nargs="+", default=None,
-                    help="arms to run (default: every config in --configs)")
+    ap.add_argument("--names", nargs="+", help="arms to run (default: every config in --configs)")
     ap.add_argument("--seeds", type=cli.count, nargs="+", default=list(range(10)))
     ap.add_argument("--baseline", default="none", help="eval.py --compare's: the arm, or arms "
                     "to tune it over (none,none_lr2x: the one of higher mean area)")
@@ -127,19 +126,24 @@ def main() -> None:
         # seed by seed, every arm: a reproduction stopped part-way has a few seeds of every arm
         jobs = [(n, s) for s in a.seeds for n in names if (n, s) != ("none", a.seeds[0])]
         list(pool.map(lambda j: train(configs, j[0], j[1], out,
-                                      extra + (rlep if j[0] == "rlep" else [])),
-                      jobs))
+                                      extra + (rlep if j[0] == "rlep" else [])), jobs))
     print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
     runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest",
-               "--baseline", a.baseline,
                "--overwrite"]  # (its own comparison: a reproduction started again replaces it)
-    subprocess.run([*compare, "--out-dir", str(out / "compare")], cwd=REPO, check=True)
+    for baseline in dict.fromkeys([a.baseline, "none"]):  # a tuned baseline, then plain GRPO
+        tables = out / "compare"
+        if baseline != a.baseline:
+            tables = tables / "vs_none"
+        for metric, folder in METRICS.items():  # compare/accuracy (avg@k), compare/pass_at_k, ...
+            subprocess.run([*compare, "--baseline", baseline, "--metric", metric, "--out-dir",
+                            str(tables / folder)], cwd=REPO, check=True)
     if importlib.util.find_spec("matplotlib") is None:
         print("matplotlib is not installed (pip install -r bench/requirements.txt): no plot")
         return
-    subprocess.run([sys.executable, "bench/plot.py", str(out / "compare" / "compare.json"),
-                    str(out / "compare" / "compare.png"), "--overwrite"], cwd=REPO, check=True)
+    tables = out / "compare" / "accuracy"
+    subprocess.run([sys.executable, "bench/plot.py", str(tables / "compare.json"),
+                    str(tables / "compare.png"), "--overwrite"], cwd=REPO, check=True)
 
 
 if __name__ == "__main__":

@@ -438,6 +438,40 @@ def test_reproduce_tiny_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_
     assert calls[0][-1] == "--eval.every=10"
 
 
+
+def test_reproduce_tiny_publishes_every_metric_against_both_baselines(tmp_path, monkeypatch):
+    """bench/reproduce_tiny.py, its runs finished: one comparison per eval metric (accuracy,
+    pass@k, maj@k, greedy) against the tuned --baseline in <out>/compare/<metric>, and the same
+    against plain `none` in <out>/compare/vs_none/<metric>; with --baseline none, the four alone."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import reproduce_tiny
+
+    for name in ("none", "none_lr2x", "gxpo_nogate"):
+        for seed in (0, 1):
+            (tmp_path / f"{name}-s{seed}").mkdir()
+            (tmp_path / f"{name}-s{seed}" / "summary.json").write_text("{}")
+    folders = {"accuracy": "accuracy", "pass@k": "pass_at_k", "maj@k": "maj_at_k",
+               "greedy": "greedy"}
+    for baseline, tables in [("none,none_lr2x", {"none,none_lr2x": "", "none": "vs_none"}),
+                             ("none", {"none": ""})]:
+        calls = []
+        monkeypatch.setattr(reproduce_tiny.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+        monkeypatch.setattr(sys, "argv", ["reproduce_tiny.py", "--configs", "configs/fair",
+                                          "--names", "none", "none_lr2x", "gxpo_nogate", "--seeds",
+                                          "0", "1", "--baseline", baseline, "--out", str(tmp_path)])
+        reproduce_tiny.main()
+        compared = []
+        for cmd in calls:
+            if "--compare" in cmd:
+                assert sum(arg.endswith("-s1") for arg in cmd) == 3  # every arm's seeds
+                option = dict(zip(cmd, cmd[1:]))
+                compared.append((option["--baseline"], option["--metric"], option["--out-dir"]))
+        expected = []
+        for against, sub in tables.items():
+            for metric, folder in folders.items():
+                expected.append((against, metric, str(tmp_path / "compare" / sub / folder)))
+        assert sorted(compared) == sorted(expected)
+
 def test_area_budget_shortest_is_the_smallest_finished_run(tmp_path, capsys):
     """--budget shortest: none's runs end at 600 and 540 tokens, an aper run at 534 and an
     unfinished one (no summary.json, so no step-0 eval) at 300: the budget is 534 and every finished
