@@ -25,24 +25,25 @@ sys.path.insert(0, str(REPO))
 from analysis.compare_io import NUMBERS, read_run  # the keys the comparison reads
 from bench import cli
 from support.checkpoint import kept_summary
+from support.util import RunError
 
 KEPT = {"step", *NUMBERS}
 STEP_KEYS = ("lookahead/", "optim/", "skipped/")  # steps.jsonl's: every step's, by prefix
 FILES = ("config.yaml", "summary.json", "metrics.jsonl", "steps.jsonl")
 
 
-def kept_rows(run: Path) -> list[dict]:
-    """The rows of `run`'s metrics.jsonl that are kept: its eval rows and its last, each cut to
-    KEPT; ValueError or OSError naming the file when the run is not a finished, readable one."""
+def kept_rows(run: Path) -> tuple[dict, list[dict], list[dict]]:
+    """What is kept of `run`: kept_summary, its eval rows and last row cut to KEPT, every step's
+    state; ValueError, OSError or RunError naming the file unless it is a finished, readable run."""
     for name in FILES[:3]:  # (not steps.jsonl: it is made here)
         if not (run / name).is_file():
             raise ValueError(f"{run} is not a finished run (no {name})")
-    _, _, rows = read_run(run)  # every field the comparison reads, checked
+    summary, _, rows = read_run(run)  # every field the comparison reads, checked
     kept = []
     for i, row in enumerate(rows):
         if "eval/accuracy" in row or i == len(rows) - 1:
             kept.append({k: v for k, v in row.items() if k in KEPT})
-    return kept, [step_state(row) for row in rows]
+    return kept_summary(run, summary), kept, [step_state(row) for row in rows]
 
 
 def step_state(row: dict) -> dict:
@@ -54,13 +55,12 @@ def step_state(row: dict) -> dict:
     return state
 
 
-def keep(run: Path, rows: tuple[list[dict], list[dict]], out: Path) -> None:
-    """Write the kept files of `run` into `out`: its config, its summary (with the step-0 evals its
-    newest checkpoint saved, where it lacks them), its kept eval rows and every step's state."""
+def keep(run: Path, rows: tuple[dict, list[dict], list[dict]], out: Path) -> None:
+    """Write the kept files of `run` into `out`: its config and `rows` (kept_rows')."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(run / "config.yaml", out / "config.yaml")
-    (out / "summary.json").write_text(json.dumps(kept_summary(run), indent=2) + "\n")
-    for name, kept in zip(("metrics.jsonl", "steps.jsonl"), rows):
+    (out / "summary.json").write_text(json.dumps(rows[0], indent=2) + "\n")
+    for name, kept in zip(("metrics.jsonl", "steps.jsonl"), rows[1:]):
         lines = [json.dumps(row) for row in kept]
         (out / name).write_text("\n".join(lines) + "\n")
 
@@ -90,11 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     for target, run in targets.items():
         try:
             rows[target] = kept_rows(run)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RunError) as e:
             ap.error(str(e))
     for target, run in targets.items():
         keep(run, rows[target], target)
-        print(f"{run} -> {target} ({len(rows[target][0])} rows, {len(rows[target][1])} steps)")
+        print(f"{run} -> {target} ({len(rows[target][1])} rows, {len(rows[target][2])} steps)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ itself (lock, --overwrite, the log) is support/rundir.py's.
 
 from __future__ import annotations
 
-import json
 import pickle
 import random
 import shutil
@@ -93,21 +92,19 @@ def summary(cfg, p) -> dict:
             "skipped_updates": p.skipped}
 
 
-def kept_summary(run: Path) -> dict:
-    """summary.json of the finished run in `run`, with the step-0 evals it lacks read from the
-    progress its newest checkpoint saved and "eval_initial_from" naming that checkpoint (code
-    before 4f03516 wrote step 0's accuracy alone); as it is when none lacks or no checkpoint is
-    left."""
-    kept = json.loads((run / "summary.json").read_text())
-    missing = [key for key in INITIAL_EVALS if key not in kept]
-    states = sorted(run.glob("checkpoints/step_*/state_rank0.pt"))
-    if not missing or not states:
-        return kept
-    saved = torch.load(states[-1], weights_only=True)["run"]["eval_initial"]
-    for key in missing:
-        kept[key] = saved.get(INITIAL_EVALS[key])
-    kept["eval_initial_from"] = str(states[-1].relative_to(run))
-    return kept
+def kept_summary(run: Path, summary: dict) -> dict:
+    """`summary` (the summary.json of the finished run in `run`) with the step-0 evals it lacks
+    read from the progress its newest checkpoint saved (read_state: checked whole, a damaged one a
+    RunError) and "eval_initial_from" naming that checkpoint (code before 4f03516 wrote step 0's
+    accuracy alone); as it is when none lacks or no checkpoint is left."""
+    missing = [key for key in INITIAL_EVALS if key not in summary]
+    found = checkpoints(run)
+    if not missing or not found:
+        return summary
+    saved = read_state(found[-1], 0)["run"]["eval_initial"]
+    restored = {key: saved.get(INITIAL_EVALS[key]) for key in missing}
+    where = str((found[-1] / "state_rank0.pt").relative_to(run))
+    return summary | restored | {"eval_initial_from": where}
 
 
 def failure(e: BaseException, out: Path, step: int) -> RunError | None:

@@ -196,7 +196,8 @@ def test_keep_runs_never_replaces_a_kept_run_without_overwrite(work, monkeypatch
 def test_keep_runs_restores_step_0_evals_from_the_runs_checkpoint(tmp_path, monkeypatch, capsys):
     """A finished run whose summary.json lacks step 0's pass@k, maj@k and greedy (as code before
     4f03516 wrote it) is kept with the values its newest checkpoint saved: those train.py had
-    written, and the checkpoint named; a run whose summary has them is kept as it is."""
+    written, and the checkpoint named; a run whose summary has them is kept as it is; a damaged
+    checkpoint is one line, before anything is written."""
     run = tmp_path / "runs" / "none-s0"
     assert run_train(run, "--eval.k=2", steps=2).returncode == 0
     summary = json.loads((run / "summary.json").read_text())
@@ -214,6 +215,14 @@ def test_keep_runs_restores_step_0_evals_from_the_runs_checkpoint(tmp_path, monk
                             monkeypatch, capsys)
     assert code == 0, err
     assert json.loads((tmp_path / "kept2" / "none-s0" / "summary.json").read_text()) == summary
+    # a damaged checkpoint (read_state checks it whole): one line, nothing kept
+    (run / "summary.json").write_text(json.dumps(old))
+    state = run / "checkpoints" / "step_000002" / "state_rank0.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    code, _, err = run_main("keep_runs.py", [str(run), "--out", str(tmp_path / "kept3")],
+                            monkeypatch, capsys)
+    assert code == 2 and "checkpoint step_000002 is damaged" in one_line(err, "keep_runs.py")
+    assert not (tmp_path / "kept3").exists()
 
 def test_keep_runs_refuses_two_runs_of_one_name(work, monkeypatch, capsys):
     """Two runs named gxpo-s1 from two folders would be kept in one: the second replaced the
