@@ -397,7 +397,6 @@ def test_torchrun_train_logs_on_rank0_checkpoints_and_resumes(model_dir, tmp_pat
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
 
 
-
 def test_torchrun_refuses_prompts_that_do_not_split_over_the_ranks(model_dir, tmp_path):
     """A step's prompts must split evenly over the processes (each rank generates its share): 3
     prompts on 2 ranks is one line naming both numbers and a non-zero exit, before out_dir is
@@ -412,6 +411,7 @@ def test_torchrun_refuses_prompts_that_do_not_split_over_the_ranks(model_dir, tm
     said = "error: prompts per step (3) must be divisible by the number of processes (2)\n"
     assert err.count(said) == 2, err[-4000:]  # each rank's one line
     assert not out.exists()
+
 
 FSDP_RUN = ["train.py", "--config", "configs/tiny.yaml", "--model.parallel=fsdp",
             "--rollout.batch_size=16", "--rollout.group_size=4", "--rollout.max_new_tokens=16",
