@@ -15,20 +15,20 @@ from pathlib import Path
 from analysis.evals import METRICS, eval_curve
 from config import ConfigError, typed_mapping
 from data.loaders import json_line, jsonl_rows, open_regular, read_yaml_file
+from support.checkpoint import INITIAL_EVALS
 from support.util import file_fault, flatten, folder_fault
 
 NUMBER = (int, float)
-NUMBERS = ["eval_accuracy_initial", "eval_response_len_final", "tokens_generated_total",
-           "eval_entropy_final", "generated_tokens", "tokens/generated_total", "eval/accuracy",
-           "eval/accuracy_se", "eval/response_len", "eval/entropy", "tokens/trained",
-           "tokens/fwd_bwd", "tokens/no_grad", "tokens_trained", "rows_trained"]
-# The other eval metrics (#60, analysis/evals.py): each eval's, the step-0 eval's (summary.json)
-OTHER_EVALS = ["eval/pass@k", "eval/maj@k", "eval/greedy", "eval_pass_at_k_initial",
-               "eval_maj_at_k_initial", "eval_greedy_initial"]
+NUMBERS = ["eval_response_len_final", "tokens_generated_total", "eval_entropy_final",
+           "generated_tokens", "tokens/generated_total", "eval/accuracy", "eval/accuracy_se",
+           "eval/response_len", "eval/entropy", "tokens/trained", "tokens/fwd_bwd",
+           "tokens/no_grad", "tokens_trained", "rows_trained"]
+# The step-0 evals (summary.json) and the other metrics of each eval (#60, analysis/evals.py)
+OTHER_EVALS = [*INITIAL_EVALS, "eval/pass@k", "eval/maj@k", "eval/greedy"]
 NUMBERS = NUMBERS + OTHER_EVALS + ["eval/n"]
 TYPES = {"strategy": str, "seed": int, "step": int} | dict.fromkeys(NUMBERS, NUMBER)
 # In [0, 1]; the other numbers finite and ≥ 0 (NaN, inf or a negative count would poison every mean)
-FRACTIONS = {"eval_accuracy_initial", "eval/accuracy", "eval/accuracy_se", *OTHER_EVALS}
+FRACTIONS = {"eval/accuracy", "eval/accuracy_se", *OTHER_EVALS}
 # The counters of a run (cumulative): they never fall from one row of metrics.jsonl to the next
 COUNTERS = ("generated_tokens", "tokens/generated_total", "tokens/trained", "tokens/fwd_bwd",
             "tokens/no_grad")

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import math
 
-# --metric: the summary.json name of each (eval_<name>_initial)
+from support.checkpoint import INITIAL_EVALS
+
+# --metric: each one's folder name in bench/reproduce_tiny.py's compare/
 METRICS = {"accuracy": "accuracy", "pass@k": "pass_at_k", "maj@k": "maj_at_k",
            "greedy": "greedy"}
+INITIAL = {metric: key for key, metric in INITIAL_EVALS.items()}  # summary.json's step-0 key
 
 
 def eval_curve(metric: str, summary: dict, rows: list[dict], phase1: float) -> list[tuple]:
     """[(step, generated tokens, the metric, its standard error)] at the step-0 eval (after RLEP's
     phase I, `phase1` tokens) and at each row that logged the metric."""
-    curve = [(0, phase1, summary.get(f"eval_{METRICS[metric]}_initial"), 0.0)]
+    curve = [(0, phase1, summary.get(INITIAL[metric]), 0.0)]
     for row in rows:
         tokens = row.get("tokens/generated_total", row.get("generated_tokens"))
         curve.append((row.get("step"), tokens, row.get(f"eval/{metric}"), standard_error(metric,
