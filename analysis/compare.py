@@ -28,7 +28,7 @@ from analysis.area import area, budget_of, common_grid, filed_or_refused, tuned,
 from analysis.compare_io import (arm_versions, compare_table, given_twice, load_run,
                                  out_dir_checked, positive_number, run_arg, write)
 from analysis.evals import METRICS, use_metric
-from analysis.pooling import incomparable
+from analysis.pooling import incomparable, not_continued
 from analysis.stats import (aes, bootstrap, detectable, holm, mean, mean_interval, mean_known,
                             paired_ratio, welch_p)
 from support.locks import results_dir
@@ -78,10 +78,9 @@ def seed_mean_curve(runs: list[dict]) -> list[tuple]:
 
 def crossings(run: dict, target: float, gain_target: float, base_tokens: float) -> None:
     """Where `run` first holds each target (set in place): in generated tokens, tokens trained,
-    token passes, total compute and steps."""
-    crossing = sustained_crossing(run["curve"], target)
-    run["tokens_to_target"] = crossing
-    run["tokens_ratio"] = None if crossing is None else crossing / base_tokens
+    token passes, total compute and steps. The table's target (its final value) is measured on
+    the run's continued copy where it has one (--continued): #60's rule for an arm that ends below
+    it."""
     run["tokens_to_gain"] = sustained_crossing(run["curve"], gain_target)
     by_trained = [(c[0], run["trained"][c[0]], *c[2:]) for c in run["curve"]
                   if c[0] in run["trained"]]  # the same rule over trained tokens
@@ -89,11 +88,20 @@ def crossings(run: dict, target: float, gain_target: float, base_tokens: float) 
     counted = [c for c in run["curve"] if c[0] in run["passes"]]  # (runs before #47: none)
     by_passes = [(c[0], run["passes"][c[0]][0], *c[2:]) for c in counted]
     run["passes_to_gain"] = sustained_crossing(by_passes, gain_target)
-    by_compute = [(c[0], compute(c[1], *run["passes"][c[0]]), *c[2:]) for c in counted]
-    run["compute_to_gain"] = sustained_crossing(by_compute, gain_target)
-    run["compute_to_target"] = sustained_crossing(by_compute, target)
-    by_step = [(c[0], c[0], c[2], c[3]) for c in run["curve"]]  # the same rule in steps
+    run["compute_to_gain"] = sustained_crossing(by_compute(run), gain_target)
+    longer = run | run.get("continued", {})  # (its curve and counters)
+    crossing = sustained_crossing(longer["curve"], target)
+    run["tokens_to_target"] = crossing
+    run["tokens_ratio"] = None if crossing is None else crossing / base_tokens
+    run["compute_to_target"] = sustained_crossing(by_compute(longer), target)
+    by_step = [(c[0], c[0], c[2], c[3]) for c in longer["curve"]]  # the same rule in steps
     run["steps_to_target"] = sustained_crossing(by_step, target)
+
+
+def by_compute(run: dict) -> list[tuple]:
+    """The run's eval curve over total compute, at the evals that logged the token passes."""
+    counted = [c for c in run["curve"] if c[0] in run["passes"]]
+    return [(c[0], compute(c[1], *run["passes"][c[0]]), *c[2:]) for c in counted]
 
 
 def compare_runs(runs: list[dict], baseline: str, target: float | None,
@@ -111,7 +119,7 @@ def compare_runs(runs: list[dict], baseline: str, target: float | None,
     target = A_b if target is None else target
     gain_target = gain_level(base, gain_fraction)
     budget = budget_of(runs, base, budget)
-    common_grid(runs)
+    common_grid(runs + [run["continued"] for run in runs if "continued" in run])
     arms = {}
     for run in runs:
         crossings(run, target, gain_target, T_b)
@@ -181,7 +189,8 @@ def arm_row(name: str, runs: list[dict], base: list[dict], steps_b: float, teste
             "tokens": mean([run["tokens"] for run in runs]),
             "trained_tokens": mean_known([run["trained_tokens"] for run in runs]),
             "trained_rows": mean_known([run["trained_rows"] for run in runs]),
-            "versions": arm_versions(runs)}
+            "versions": arm_versions(runs),
+            "continued": sum("continued" in run for run in runs)}  # runs with a copy (--continued)
 
 
 
@@ -216,6 +225,10 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
                     "curve compared: avg@k (accuracy), pass@k, maj@k or greedy (analysis/evals.py)")
     ap.add_argument("--budget", help="generated tokens the area covers, or `shortest`: the "
                     "smallest total of the finished runs (default: of the baseline's runs)")
+    ap.add_argument("--continued", metavar="DIR", help="continued copies of runs, each named "
+                    "as its run's folder (the run resumed past its last step): the table's "
+                    "target, its final value, is measured on the copy (#60's rule for an arm "
+                    "that ends below it); every other figure on the run")
     ap.add_argument("--allow-mixed", action="store_true", help="pool the runs of an arm even "
                     "when their configs differ beyond the seed (see UNCOMPARED)")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in "
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         if budget not in (None, "shortest"):
             budget = positive_number(budget)
         arms = args.baseline.split(",")
-        runs = loaded_runs(args.runs, arms[0], args.allow_mixed)
+        runs = loaded_runs(args.runs, arms[0], args.allow_mixed, args.continued)
         if not 0 < args.gain_fraction <= 1:  # (NaN is not)
             raise ValueError(f"--gain-fraction must be in (0, 1], got {args.gain_fraction}")
         baseline, areas = arms[0], {}
@@ -261,10 +274,11 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
         write_curve(Path(args.out_dir), table, args.metric, baseline)
 
 
-def loaded_runs(names: list[str], baseline: str, allow_mixed: bool) -> list[dict]:
-    """The runs `names` gives ([LABEL=]RUN_DIR), each of its label's arm or its config's; a
-    ValueError for a folder given twice, or for an arm whose runs' configs differ beyond the seed
-    (unless `allow_mixed`)."""
+def loaded_runs(names: list[str], baseline: str, allow_mixed: bool,
+                continued: str | None = None) -> list[dict]:
+    """The runs `names` gives ([LABEL=]RUN_DIR), each of its label's arm or its config's, with
+    its copy in `continued` (with_continued); a ValueError for a folder given twice, or for an arm
+    whose runs' configs differ beyond the seed (unless `allow_mixed`)."""
     labelled = [run_arg(name) for name in names]
     twice = given_twice([folder for _, folder in labelled])
     if twice:
@@ -278,10 +292,39 @@ def loaded_runs(names: list[str], baseline: str, allow_mixed: bool) -> list[dict
     mixed = incomparable(runs, baseline)
     if mixed and not allow_mixed:
         raise ValueError(mixed)
+    if continued is not None:
+        print(with_continued(runs, continued))
     for run in runs:
         run.pop("config")
         run.pop("labelled")
     return runs
+
+
+def with_continued(runs: list[dict], folder: str) -> str:
+    """Each run whose folder name `folder` holds too (a copy of the run resumed past its last
+    step: `--resume --max_steps=300` in #60) gets the copy's curves and counters as
+    run["continued"] and its path as run["continued_from"]; returns a line naming them. A
+    ValueError for a copy that is not its run continued (pooling.not_continued), or for a folder
+    with no copy of any run."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"--continued {folder}: not a folder")
+    arms = {}
+    for run in runs:
+        path = Path(folder) / Path(run["path"]).name
+        if not path.is_dir():
+            continue
+        copy = load_run(path)
+        why = not_continued(run, copy)
+        if why:
+            raise ValueError(why)
+        run["continued"] = {key: copy[key] for key in ("curves", "trained", "passes")}
+        run["continued_from"] = str(path)
+        arms.setdefault(run["strategy"], []).append(run["seed"])
+    if not arms:
+        raise ValueError(f"--continued {folder}: no copy of a compared run there (a copy is named "
+                         "as its run's folder)")
+    seeds = [f"{arm} (seeds {', '.join(map(str, s))})" for arm, s in arms.items()]
+    return f"the final value's crossings on continued copies in {folder}: {'; '.join(seeds)}"
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ COUNTERS = ("generated_tokens", "tokens/generated_total", "tokens/trained", "tok
 FIELDS = ["path", "strategy", "seed", "final", "length", "tokens", "entropy", "tokens_to_target",
           "tokens_ratio", "tokens_to_gain", "trained_to_gain", "passes_to_gain", "compute_to_gain",
           "compute_to_target", "steps_to_target", "aes", "area", "trained_tokens", "trained_rows",
-          "versions"]
+          "versions", "continued_from"]
 
 
 def run_arg(arg: str) -> tuple[str | None, str]:

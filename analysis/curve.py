@@ -35,13 +35,17 @@ def levels(runs: list[dict], baseline: str, target: float) -> list[tuple[str, fl
     return named
 
 
-def at_level(runs: list[dict], baseline: str, level: float) -> tuple[dict, list[dict]]:
+def at_level(runs: list[dict], baseline: str, level: float,
+             continued: bool = False) -> tuple[dict, list[dict]]:
     """(a copy of each run by arm, in the order compare_runs groups them, the baseline's copies
     compare_runs measures against: those with an eval), each copy holding its crossings of `level`
-    as the gain target (compare.crossings) and its counters there (cost.at_crossing)."""
+    as the gain target (compare.crossings) and its counters there (cost.at_crossing); measured on
+    a run's continued copy where it has one if `continued` (the table's target: its column)."""
     arms = {}
     for run in runs:
         copy = dict(run)  # (crossings sets its keys; the curves are shared, never changed)
+        if continued:
+            copy |= run.get("continued", {})
         crossings(copy, level, level, math.nan)
         copy["counters_at"] = cost.at_crossing(copy, level)
         arms.setdefault(run["strategy"], []).append(copy)
@@ -56,7 +60,7 @@ def add_curves(table: list[dict], runs: list[dict], baseline: str, target: float
         row["curve"] = []
         row["gpu_time"] = {"ratios": [], "break_even": [], "pairs": None}
     for name, level in levels(runs, baseline, target):
-        arms, base = at_level(runs, baseline, level)
+        arms, base = at_level(runs, baseline, level, continued=name == "final")
         for row in table:
             arm = arms[row["strategy"]]
             row["curve"].append({"target": name, "level": level,
@@ -86,6 +90,11 @@ def curve_markdown(table: list[dict], metric: str, baseline: str) -> str:
              f"Each cell: the arm's median ÷ {baseline}'s, paired 95 % bootstrap interval, "
              f"[verdict at ≤ 0.5× / ≤ 0.3×]; targets: a fraction of {baseline}'s gain in "
              f"{metric}, and its final value.", ""]
+    continued = [f"{row['strategy']} ({row['continued']} of {row['seeds']} seeds)"
+                 for row in table if row["continued"]]
+    if continued:
+        lines += ["The final value of these arms is measured on continued copies of their runs "
+                  f"(--continued; the other targets on the runs): {', '.join(continued)}.", ""]
     for key, what in (("generated", "Generated tokens"),
                       ("compute", "Total compute (2N·generated + 6N·fwd-bwd + 2N·no-grad)")):
         lines += [f"## {what} to each target", "", "| arm | " + " | ".join(heads) + " |",

@@ -60,6 +60,8 @@ def use_metric(runs: list[dict], metric: str, baseline: str) -> tuple[list[dict]
             continue
         run["curve"] = curve
         run["final"] = curve[-1][2] if curve else None
+        if "continued" in run:  # its copy past the run's end (compare.py --continued)
+            run["continued"]["curve"] = run["continued"].pop("curves")[metric]
         kept.append(run)
     base = [run for run in runs if run["strategy"] == baseline]
     if base and all(run["path"] in left_out for run in base):

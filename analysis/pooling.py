@@ -110,3 +110,28 @@ def pooled_advice(base: dict, run: dict, baseline: str) -> str:
     if arm == baseline:
         return f"{named}; --allow-mixed would pool it into the baseline {arm!r} as one more seed"
     return f"{named}; --allow-mixed pools them as seeds of one arm"
+
+
+# Keys a continued copy (compare.py --continued) may differ in from its run: how long it ran,
+# where it wrote, how it logged and checkpointed, its threads. The seed and the rest are the run's.
+CONTINUED = ("max_steps", "out_dir", "threads", "wandb.", "checkpoint.")
+
+
+def not_continued(run: dict, copy: dict) -> str | None:
+    """Why `copy` is not `run` continued past its last eval (None: it is): their configs differ
+    beyond CONTINUED, it ran on other library versions, it has no eval after the run's last, or
+    its evals up to there differ from the run's in some metric (another run, not a resume)."""
+    a, b = run["config"], copy["config"]
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    keys = [k for k in keys if not k.startswith(CONTINUED)]
+    where = f"{copy['path']} is not {run['path']} continued"
+    if keys:
+        return f"{where}: {keys[0]} is {b.get(keys[0])!r:.30} there, {a.get(keys[0])!r:.30} here"
+    if copy["versions"] != run["versions"]:
+        return f"{where}: it ran on {copy['versions']}, the run on {run['versions']}"
+    for metric, curve in run["curves"].items():
+        if copy["curves"][metric][: len(curve)] != curve:
+            return f"{where}: their evals in {metric} differ before the run's last"
+    if len(copy["curves"]["accuracy"]) <= len(run["curves"]["accuracy"]):  # (a prefix of it)
+        return f"{where}: it has no eval after the run's last"
+    return None

@@ -471,6 +471,18 @@ def test_reproduce_tiny_publishes_every_metric_against_both_baselines(tmp_path, 
             for metric, folder in folders.items():
                 expected.append((against, metric, str(tmp_path / "compare" / sub / folder)))
         assert sorted(compared) == sorted(expected)
+    calls = []
+    argv = sys.argv + ["--continued", str(tmp_path / "long")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:  # (a missing folder: before any run)
+        reproduce_tiny.main()
+    assert e.value.code == 2 and not calls
+    (tmp_path / "long").mkdir()
+    reproduce_tiny.main()
+    compares = [cmd for cmd in calls if "--compare" in cmd]
+    assert len(compares) == 4
+    for cmd in compares:
+        assert cmd[cmd.index("--continued") + 1] == str(tmp_path / "long")
 
 def test_area_budget_shortest_is_the_smallest_finished_run(tmp_path, capsys):
     """--budget shortest: none's runs end at 600 and 540 tokens, an aper run at 534 and an

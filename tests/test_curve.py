@@ -5,6 +5,7 @@ missing greedy left out, never 0. Run folders are written by hand, as tests/test
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from analysis.compare_io import load_run, read_run
 from analysis.curve import FRACTIONS, at_level
 from analysis.evals import standard_error, use_metric
 
-from fixtures import REPO  # (tests/fixtures.py: the repository's root)
+from fixtures import REPO, train_here  # (tests/fixtures.py: the repository's root)
+from tests.test_checkpoint import TINY, needs_model
 
 COLUMNS = ("accuracy", "pass@k", "maj@k", "greedy")
 INITIAL = {"accuracy": "eval_accuracy_initial", "pass@k": "eval_pass_at_k_initial",
@@ -74,16 +76,18 @@ def same(a, b) -> bool:
 # ------------------------------------------------------------------------ the curve, point by point
 
 
+BASE = [[0.2, 0.3, 0.38, 0.45, 0.5, 0.55, 0.58, 0.6], [0.21, 0.28, 0.4, 0.47, 0.49, 0.56, 0.6,
+        0.61], [0.19, 0.31, 0.36, 0.44, 0.52, 0.54, 0.57, 0.59]]  # the tuned baseline's seeds
+
+
 def seeds(root: Path) -> list[str]:
     """Three seeds of a tuned baseline (labelled `tuned`), of `fast` and of `slow`, each arm's
     own curve and counters: crossings fall between evals, and a slow seed never reaches the top."""
     args = []
-    base = [[0.2, 0.3, 0.38, 0.45, 0.5, 0.55, 0.58, 0.6], [0.21, 0.28, 0.4, 0.47, 0.49, 0.56, 0.6,
-            0.61], [0.19, 0.31, 0.36, 0.44, 0.52, 0.54, 0.57, 0.59]]
-    for seed, accs in enumerate(base):
+    for seed, accs in enumerate(BASE):
         run = run_folder(root / "t", "tuned", seed, rows(accs, 100 + seed, 150, 0, 90))
         args.append(f"tuned={run}")
-    for seed, accs in enumerate(base):
+    for seed, accs in enumerate(BASE):
         fast = [min(0.62, a + 0.1 * (i > 0) + 0.01 * seed) for i, a in enumerate(accs)]
         args.append(f"fast={run_folder(root, 'fast', seed, rows(fast, 90, 450, 150, 300))}")
         slow = [a - 0.03 * i / 7 * (seed == 1) for i, a in enumerate(accs)]
@@ -317,3 +321,116 @@ def test_the_measured_gpu_ratios_and_the_plot(tmp_path):
               str(tmp_path / "cmp" / "compare.json"), str(tmp_path / "cost.png"), "--cost"]
     subprocess.run(script, check=True, capture_output=True, timeout=120)
     assert (tmp_path / "cost.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------ --continued
+
+
+def continued_copies(root: Path, extra: list[float], seeds_: range = range(3)) -> Path:
+    """Copies of `slow`'s seeds (as `seeds` writes them) run on past step 7: the same evals, then
+    `extra` accuracies, its counters growing as before; config.yaml says max_steps 12."""
+    for seed in seeds_:
+        accs = [a - 0.03 * i / 7 * (seed == 1) for i, a in enumerate(BASE[seed])] + extra
+        run = run_folder(root, "slow", seed, rows(accs, 110, 150, 0, 95))
+        config = yaml.safe_load((run / "config.yaml").read_text()) | {"max_steps": 12}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+    return root
+
+
+def test_continued_copies_measure_the_final_value_and_nothing_else(tmp_path, capsys):
+    """--continued DIR: a run with a copy there (its folder's name) is measured on the copy for
+    the table's target, the baseline's final value (tokens, compute and steps to it; the curve's
+    `final` point, its GPU time), each the crossing of the copy's curve; every other figure, the
+    curve's 50-100 % points among them, is the one without --continued."""
+    args = seeds(tmp_path)
+    long = continued_copies(tmp_path / "long", [0.62, 0.63, 0.64, 0.66])
+    cp.main([*args, "--baseline", "tuned", "--out-dir", str(tmp_path / "a")])
+    capsys.readouterr()
+    cp.main([*args, "--baseline", "tuned", "--continued", str(long), "--out-dir",
+             str(tmp_path / "b")])
+    said = capsys.readouterr().out
+    line = f"the final value's crossings on continued copies in {long}: slow (seeds 0, 1, 2)"
+    assert line in said
+    a, b = (json.loads((tmp_path / x / "compare.json").read_text()) for x in "ab")
+    target = b["target"]
+    for run in b["runs"]:
+        if run["strategy"] != "slow":
+            assert "continued_from" not in run
+            continue
+        copy = load_run(run["continued_from"])
+        assert Path(run["continued_from"]).parent == long
+        assert run["tokens_to_target"] == cp.sustained_crossing(copy["curve"], target)
+        assert run["tokens_to_target"] is not None  # every seed holds it on the copy
+    moved = {"to_target", "compute_to_target", "ratios", "ratio_median", "ratio_ci", "reached",
+             "steps_ratio", "steps_ratio_ci", "curve", "gpu_time", "continued"}
+    for before, after in zip(a["strategies"], b["strategies"]):
+        for key in before.keys() - moved:
+            assert same(before[key], after[key]), key
+        assert same(before["curve"][:-1], after["curve"][:-1])
+        assert same(after["curve"][-1]["generated"], after["to_target"])
+        assert same(after["curve"][-1]["compute"], after["compute_to_target"])
+        if after["strategy"] != "slow":
+            assert same(before, after)
+    slow_a, slow_b = a["strategies"][2], b["strategies"][2]
+    assert slow_b["strategy"] == "slow" and slow_a["reached"] < slow_b["reached"] == 3
+    assert not same(slow_a["gpu_time"]["pairs"], slow_b["gpu_time"]["pairs"])
+    assert [row["continued"] for row in b["strategies"]] == [0, 0, 3]
+    curve_md = (tmp_path / "b" / "curve.md").read_text()
+    assert "(--continued; the other targets on the runs): slow (3 of 3 seeds).\n" in curve_md
+
+
+def test_continued_copies_are_checked_in_one_line(tmp_path, capsys):
+    """A copy that is not its run continued, or a folder without one, is one line, exit 2:
+    another setting, other evals before the run's end, no eval after it, a missing folder."""
+    args = seeds(tmp_path)
+    cases = [(lambda d: d / "none", "not a folder"),
+             (lambda d: continued_copies(d, []), "it has no eval after the run's last")]
+    copies = continued_copies(tmp_path / "lr", [0.7])
+    set_key(copies / "slow-s1", "optim", {"lr": 1.0})
+    cases.append((lambda d: copies, "optim.lr is 1.0 there"))
+    other = continued_copies(tmp_path / "other", [0.7])
+    lines = [json.loads(x) for x in (other / "slow-s2" / "metrics.jsonl").read_text().splitlines()]
+    lines[3]["eval/accuracy"] += 0.001  # (step 4: another run, not this one resumed)
+    (other / "slow-s2" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cases.append((lambda d: other, "their evals in accuracy differ before the run's last"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cases.append((lambda d: elsewhere, "no copy of a compared run there"))
+    for i, (make, words) in enumerate(cases):
+        folder = make(tmp_path / f"c{i}")
+        with pytest.raises(SystemExit) as e:
+            cp.main([*args, "--baseline", "tuned", "--continued", str(folder), "--out-dir",
+                     str(tmp_path / f"x{i}")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert words in err and not (tmp_path / f"x{i}").exists(), (words, err)
+
+
+def set_key(run: Path, section: str, values: dict) -> None:
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config[section] = config.get(section, {}) | values
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+@needs_model
+def test_a_real_run_resumed_past_its_end_is_its_continued_copy(tmp_path, capsys):
+    """Through train.py: a finished run copied and resumed with --max_steps past its end (#60's
+    rule) is accepted as its continued copy (its evals up to the run's end are the run's, every
+    metric), and the comparison measures the final value on it."""
+    common = [*TINY, "--eval.every=2", "--eval.k=2", "--max_steps=4"]
+    none, other = tmp_path / "none-s0", tmp_path / "other-s0"
+    assert train_here(*common, f"--out_dir={none}").returncode == 0
+    assert train_here(*common, f"--out_dir={other}", "--optim.lr=1e-5").returncode == 0
+    copy = tmp_path / "long" / "other-s0"
+    shutil.copytree(other, copy)
+    resumed = train_here(*common, f"--out_dir={copy}", "--optim.lr=1e-5", "--resume",
+                         "--max_steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    capsys.readouterr()
+    cp.main([f"none={none}", f"other={other}", "--continued", str(copy.parent), "--out-dir",
+             str(tmp_path / "cmp")])
+    assert "continued copies in" in capsys.readouterr().out
+    runs = json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"]
+    assert runs[1]["continued_from"] == str(copy)
+    assert [c[0] for c in runs[1]["continued"]["curve"]] == [0, 2, 4, 6]
+    assert [c[0] for c in runs[1]["curve"]] == [0, 2, 4]
