@@ -4,7 +4,8 @@ Usage: python eval.py --compare runs/repro/none-s0 runs/repro/aper-s0 ... --out-
   (LABEL=RUN_DIR puts a run in arm LABEL, e.g. half=runs/x/aper-s0; without one, a run's arm is
   read from its config: its replay strategy and methods. Each run counts once; --overwrite
   replaces an earlier comparison in --out-dir. --baseline none,none_lr2x,...: the baseline tuned
-  over those arms, analysis/area.py.)
+  over those arms, analysis/area.py. --continued DIR: the final value measured on copies of the
+  runs resumed past their end, `crossings`.)
 
 Primary, per run: the area, held-out accuracy averaged over the first `--budget` generated tokens.
 Per arm: its mean, the difference to the baseline, Welch's p, Holm's p over every arm, a verdict
