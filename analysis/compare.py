@@ -210,7 +210,8 @@ def counted_ratio(runs: list[dict], base: list[dict], key: str, log: str = "pass
     return paired_ratio(pairs(runs, base, key))
 
 
-def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
+def parser(prog: str) -> OneLineParser:
+    """The command line of the comparison (eval.py --compare: `prog` eval.py)."""
     ap = OneLineParser(prog=prog, description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="[LABEL=]RUN_DIR", help="run folders")
@@ -235,7 +236,11 @@ def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in "
                     "--out-dir")
     ap.add_argument("--debug", action="store_true", help="bad input shows its traceback")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "compare.py") -> None:
+    args = parser(prog).parse_args(argv)
     from analysis.curve import add_curves, write_curve  # (it builds on this module's functions)
 
     with command_errors(f"{prog}: ", args.debug, (OSError, ValueError, RunError)):
