@@ -1,13 +1,12 @@
-"""What every bench/ script checks before it starts work, in one place and by train.py's rules:
-bad input is one line on stderr and exit 2 (`Parser`); a number is of its type and in its domain
-(`positive_int`, `count`, `positive_float`); a comma list names known items only (`names`); a
-device is one this machine has (`device`); an output never replaces a file the script does not
-own, nor waits for the end of a run to find its folder missing (`Parser.check_file`,
-`Parser.check_folder`); an optional dependency is installed (`Parser.need`); train.py's config
-and overrides pass train.py's own checks (`Parser.check_config`). Checked up front, a
-bad input costs seconds, not a whole benchmark followed by a traceback. Also what the measuring
-scripts share: a GPU's `sync`, the `versions` a figure was measured on, and the process group of one
-that FSDP2 needs (`one_process`).
+"""What every bench/ script checks before it starts work, in one place and by train.py's rules: bad
+input is one line on stderr and exit 2 (`Parser`); a number is of its type and in its domain
+(`positive_int`, `count`, `positive_float`); a comma list names known items only (`names`); a device
+is one this machine has (`device`); an output never replaces a file the script does not own, nor
+waits for the end of a run to find its folder missing (`Parser.check_file`, `Parser.check_folder`);
+an optional dependency is installed (`Parser.need`); train.py's config and overrides pass train.py's
+own checks (`Parser.check_config`). Checked up front, a bad input costs seconds, not a whole
+benchmark followed by a traceback. Also what the measuring scripts share: a GPU's `sync`, the
+`versions` a figure was measured on, and the process group of one that FSDP2 needs (`one_process`).
 
   ap = cli.Parser(__file__, __doc__)
   ap.add_argument("--rows", type=cli.positive_int, default=4)

@@ -48,11 +48,8 @@ def kept_rows(run: Path) -> tuple[dict, list[dict], list[dict]]:
 
 def step_state(row: dict) -> dict:
     """A metrics row's step and method state (STEP_KEYS)."""
-    state = {"step": row.get("step")}
-    for key, value in row.items():
-        if key.startswith(STEP_KEYS):
-            state[key] = value
-    return state
+    state = {key: value for key, value in row.items() if key.startswith(STEP_KEYS)}
+    return {"step": row.get("step")} | state
 
 
 def keep(run: Path, rows: tuple[dict, list[dict], list[dict]], out: Path) -> None:

@@ -1,7 +1,8 @@
 """Reproduce the replay claims at tiny scale: every config of a folder × 10 seeds on the embedded
 task, then the comparison tables (eval.py --compare, the area to the shortest finished run's tokens)
 in <out>/compare/<metric>/ (accuracy, pass_at_k, maj_at_k, greedy; with a tuned --baseline, against
-`none` too in compare/vs_none/) and accuracy's plot.
+`none` too in compare/vs_none/) and accuracy's plot. Runs continued past their end in <out>_long/
+(same names: #60's rule) give the final value's crossings (eval.py --compare --continued).
 
 Usage:
   python bench/reproduce_tiny.py                                      # configs/tiny/* -> runs/repro
@@ -95,8 +96,6 @@ def main() -> None:
     ap.add_argument("--seeds", type=cli.count, nargs="+", default=list(range(10)))
     ap.add_argument("--baseline", default="none", help="eval.py --compare's: the arm, or arms "
                     "to tune it over (none,none_lr2x: the one of higher mean area)")
-    ap.add_argument("--continued", help="eval.py --compare's: continued copies of the runs, the "
-                    "final value measured on them (#60's rule for the arms that end below it)")
     ap.add_argument("--jobs", type=cli.positive_int, default=2,
                     help="training processes at once (each uses one thread)")
     # anything else is passed to train.py as an override
@@ -114,8 +113,6 @@ def main() -> None:
     if len(set(a.seeds)) < len(a.seeds):
         ap.error(f"--seeds names a seed twice: {' '.join(map(str, a.seeds))}")
     ap.check_folder("--out", a.out)
-    if a.continued and not Path(a.continued).is_dir():  # (before hours of runs)
-        ap.error(f"--continued {a.continued}: not a folder")
     for name in names:  # every arm's config with the overrides, before the first run
         ap.check_config(str(configs / f"{name}.yaml"), extra)
     out = (REPO / (a.out or "runs/repro" + configs.name.removeprefix("tiny"))).resolve()
@@ -135,8 +132,9 @@ def main() -> None:
     runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest",
                "--overwrite"]  # (its own comparison: a reproduction started again replaces it)
-    if a.continued:
-        compare += ["--continued", a.continued]
+    longer = out.with_name(out.name + "_long")  # copies run past their end (#60's rule)
+    if longer.is_dir():
+        compare += ["--continued", str(longer)]  # the final value measured on them
     for baseline in dict.fromkeys([a.baseline, "none"]):  # a tuned baseline, then plain GRPO
         tables = out / "compare"
         if baseline != a.baseline:
