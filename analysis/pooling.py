@@ -118,9 +118,11 @@ CONTINUED = ("max_steps", "out_dir", "threads", "wandb.", "checkpoint.")
 
 
 def not_continued(run: dict, copy: dict) -> str | None:
-    """Why `copy` is not `run` continued past its last eval (None: it is): their configs differ
-    beyond CONTINUED, it ran on other library versions, it has no eval after the run's last, or
-    its evals up to there differ from the run's in some metric (another run, not a resume)."""
+    """Why `copy` is not `run` continued past its last eval (None: it is): it is unfinished, their
+    configs differ beyond CONTINUED, it ran on other library versions, it has no eval after the
+    run's last, or its evals up to there differ from the run's in some metric (another run)."""
+    if not copy["finished"]:  # (still running: its crossings are not yet what its end gives)
+        return f"{copy['path']} is not a finished run (no summary.json)"
     a, b = run["config"], copy["config"]
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     keys = [k for k in keys if not k.startswith(CONTINUED)]

@@ -381,7 +381,8 @@ def test_continued_copies_measure_the_final_value_and_nothing_else(tmp_path, cap
 
 def test_continued_copies_are_checked_in_one_line(tmp_path, capsys):
     """A copy that is not its run continued, or a folder without one, is one line, exit 2:
-    another setting, other evals before the run's end, no eval after it, a missing folder."""
+    another setting, other evals before the run's end, no eval after it, one still running (no
+    summary.json), a missing folder."""
     args = seeds(tmp_path)
     cases = [(lambda d: d / "none", "not a folder"),
              (lambda d: continued_copies(d, []), "it has no eval after the run's last")]
@@ -393,6 +394,9 @@ def test_continued_copies_are_checked_in_one_line(tmp_path, capsys):
     lines[3]["eval/accuracy"] += 0.001  # (step 4: another run, not this one resumed)
     (other / "slow-s2" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     cases.append((lambda d: other, "their evals in accuracy differ before the run's last"))
+    running = continued_copies(tmp_path / "running", [0.7])
+    (running / "slow-s0" / "summary.json").unlink()
+    cases.append((lambda d: running, "slow-s0 is not a finished run (no summary.json)"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     cases.append((lambda d: elsewhere, "no copy of a compared run there"))
