@@ -115,6 +115,7 @@ def load_run(path: str | Path) -> dict:
             "seed": summary.get("seed", config.get("seed")), "curve": curve, "trained": trained,
             "passes": passes,
             "finished": bool(summary),
+            "ended": (summary.get("steps"), rows[-1].get("step")),  # summary's end, the last row's
             "final": curve[-1][2] if curve else None,
             "length": summary.get("eval_response_len_final", rows[-1].get("eval/response_len")),
             "tokens": summary.get("tokens_generated_total", tokens),

@@ -121,8 +121,9 @@ def not_continued(run: dict, copy: dict) -> str | None:
     """Why `copy` is not `run` continued past its last eval (None: it is): it is unfinished, their
     configs differ beyond CONTINUED, it ran on other library versions, it has no eval after the
     run's last, or its evals up to there differ from the run's in some metric (another run)."""
-    if not copy["finished"]:  # (still running: its crossings are not yet what its end gives)
-        return f"{copy['path']} is not a finished run (no summary.json)"
+    steps, last = copy["ended"]  # (a copy made of a finished run holds its summary until its end)
+    if not copy["finished"] or steps != last:  # still running: its crossings are not yet its end's
+        return f"{copy['path']} is not a finished run (no summary.json of its last step)"
     a, b = run["config"], copy["config"]
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     keys = [k for k in keys if not k.startswith(CONTINUED)]

@@ -40,7 +40,8 @@ def run_folder(root: Path, arm: str, seed: int, evals: list[dict]) -> Path:
         line = {"step": step, "generated_tokens": row["tokens/generated_total"]} | row
         lines.append(json.dumps(line | {"eval/accuracy_se": 0.0, "eval/n": 200}) + "\n")
     (d / "metrics.jsonl").write_text("".join(lines))
-    summary = {"strategy": "none", "seed": seed, "eval_response_len_final": 10.0,
+    summary = {"strategy": "none", "seed": seed, "steps": len(evals) - 1,
+               "eval_response_len_final": 10.0,
                "eval_entropy_final": 0.3,
                "tokens_generated_total": evals[-1]["tokens/generated_total"]}
     for metric, key in INITIAL.items():
@@ -381,8 +382,8 @@ def test_continued_copies_measure_the_final_value_and_nothing_else(tmp_path, cap
 
 def test_continued_copies_are_checked_in_one_line(tmp_path, capsys):
     """A copy that is not its run continued, or a folder without one, is one line, exit 2:
-    another setting, other evals before the run's end, no eval after it, one still running (no
-    summary.json), a missing folder."""
+    another setting, other evals before the run's end, no eval after it, one still running (the
+    run's summary.json, copied with it, or none), a missing folder."""
     args = seeds(tmp_path)
     cases = [(lambda d: d / "none", "not a folder"),
              (lambda d: continued_copies(d, []), "it has no eval after the run's last")]
@@ -394,9 +395,12 @@ def test_continued_copies_are_checked_in_one_line(tmp_path, capsys):
     lines[3]["eval/accuracy"] += 0.001  # (step 4: another run, not this one resumed)
     (other / "slow-s2" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     cases.append((lambda d: other, "their evals in accuracy differ before the run's last"))
-    running = continued_copies(tmp_path / "running", [0.7])
-    (running / "slow-s0" / "summary.json").unlink()
-    cases.append((lambda d: running, "slow-s0 is not a finished run (no summary.json)"))
+    running = continued_copies(tmp_path / "running", [0.7])  # slow-s0 copied, still running
+    shutil.copyfile(tmp_path / "slow-s0" / "summary.json", running / "slow-s0" / "summary.json")
+    cases.append((lambda d: running, "slow-s0 is not a finished run (no summary.json of its last"))
+    stopped = continued_copies(tmp_path / "stopped", [0.7])  # slow-s1 stopped before its summary
+    (stopped / "slow-s1" / "summary.json").unlink()
+    cases.append((lambda d: stopped, "slow-s1 is not a finished run (no summary.json of its last"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     cases.append((lambda d: elsewhere, "no copy of a compared run there"))
