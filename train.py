@@ -313,10 +313,10 @@ def finish(r: Run, signum: int) -> int:
         r.folder.commit()  # a resume's files: what the next --resume cuts back from
         return 128 + signum
     save_model(r.model, r.tokenizer, r.out / "final", dtype=torch_dtype(r.cfg.model.compute_dtype))
+    r.folder.step_done(saved=True)  # a run of 0 steps: the old run goes, a resume's files in
     if r.rank == 0:
         summary = checkpoint.summary(r.cfg, p)
         write_file(r.out / "summary.json", json.dumps(summary, indent=2) + "\n")
-        r.folder.step_done(saved=True)  # a run of 0 steps: the old run goes, a resume's files in
         r.log.finish(summary)
     return 0
 

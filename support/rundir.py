@@ -135,9 +135,13 @@ class RunFolder:
             self.commit()
 
     def commit(self) -> None:
+        """A resume's files go into place; summary.json goes with them: it is of an end the run
+        has gone past (a finished run resumed with a larger max_steps), and train.finish writes
+        the new end's. Until then a copy or a reproduction does not take the folder for finished."""
         for tmp in self.pending:
             os.replace(tmp, tmp.with_name(tmp.name.removeprefix(".tmp_")))
         if self.pending:
+            (self.out / "summary.json").unlink(missing_ok=True)
             fsync(self.out)
         self.pending = []
 

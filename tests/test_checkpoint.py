@@ -264,6 +264,33 @@ def test_resume_continues_the_same_wandb_run(tmp_path):
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 
+def test_a_run_resumed_past_its_end_is_unfinished_until_its_new_end(tmp_path, monkeypatch):
+    """A finished run resumed with a larger max_steps (#60's continuation): once its first new
+    checkpoint puts the resume's files in place, the old end's summary.json is gone, so a run that
+    fails after it is not taken for a finished one (a reproduction would skip it, keep_runs keep
+    it); the new end writes summary.json of its own last step."""
+    out = tmp_path / "run"
+    assert run_train(out, steps=4).returncode == 0
+    real = train.record_step
+
+    def failing(r, step, *args):  # step 7 fails, after step 6's checkpoint
+        if step == 6:
+            raise RuntimeError("injected")
+        return real(r, step, *args)
+
+    monkeypatch.setattr(train, "record_step", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_train(out, "--resume", steps=8)
+    assert not (out / "summary.json").exists()
+    assert [row["step"] for row in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    monkeypatch.undo()
+    assert run_train(out, "--resume", steps=8).returncode == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
+    assert [row["step"] for row in metrics(out)] == list(range(1, 9))
+    assert run_train(out, "--resume", steps=8).returncode == 0  # no step left: the end again
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
+
+
 def test_rng_and_replay_state_load_with_weights_only(tmp_path):
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     s = rng_state()
