@@ -86,23 +86,23 @@ def crossings(run: dict, target: float, gain_target: float, base_tokens: float) 
     by_trained = [(c[0], run["trained"][c[0]], *c[2:]) for c in run["curve"]
                   if c[0] in run["trained"]]  # the same rule over trained tokens
     run["trained_to_gain"] = sustained_crossing(by_trained, gain_target)
-    counted = [c for c in run["curve"] if c[0] in run["passes"]]  # (runs before #47: none)
-    by_passes = [(c[0], run["passes"][c[0]][0], *c[2:]) for c in counted]
+    by_passes = over_passes(run, lambda generated, fwd_bwd, no_grad: fwd_bwd)
     run["passes_to_gain"] = sustained_crossing(by_passes, gain_target)
-    run["compute_to_gain"] = sustained_crossing(by_compute(run), gain_target)
+    run["compute_to_gain"] = sustained_crossing(over_passes(run, compute), gain_target)
     longer = run | run.get("continued", {})  # (its curve and counters)
     crossing = sustained_crossing(longer["curve"], target)
     run["tokens_to_target"] = crossing
     run["tokens_ratio"] = None if crossing is None else crossing / base_tokens
-    run["compute_to_target"] = sustained_crossing(by_compute(longer), target)
+    run["compute_to_target"] = sustained_crossing(over_passes(longer, compute), target)
     by_step = [(c[0], c[0], c[2], c[3]) for c in longer["curve"]]  # the same rule in steps
     run["steps_to_target"] = sustained_crossing(by_step, target)
 
 
-def by_compute(run: dict) -> list[tuple]:
-    """The run's eval curve over total compute, at the evals that logged the token passes."""
+def over_passes(run: dict, x) -> list[tuple]:
+    """The run's eval curve at the evals that logged the token passes (runs before #47: none), over
+    x(generated tokens, forward-backward token passes, no-grad token passes): total compute, say."""
     counted = [c for c in run["curve"] if c[0] in run["passes"]]
-    return [(c[0], compute(c[1], *run["passes"][c[0]]), *c[2:]) for c in counted]
+    return [(c[0], x(c[1], *run["passes"][c[0]]), *c[2:]) for c in counted]
 
 
 def compare_runs(runs: list[dict], baseline: str, target: float | None,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from analysis.compare import sustained_crossing
+from analysis.compare import over_passes, sustained_crossing
 from analysis.stats import paired_ratio, ratio_of_medians
 
 C_FWD = 1 / 3  # a no-grad forward (and prefill) token, in forward-backward tokens
@@ -56,14 +56,11 @@ def prefill_share(run: dict) -> float:
 def at_crossing(run: dict, level: float) -> tuple | None:
     """(generated, forward-backward, no-grad, prefill) tokens where `run` first holds `level`
     over its evals that logged the token passes (None: never)."""
-    counted = [c for c in run["curve"] if c[0] in run["passes"]]
-    generated = sustained_crossing(counted, level)
+    generated = sustained_crossing(over_passes(run, lambda g, fwd_bwd, no_grad: g), level)
     if generated is None:
         return None
-    fwd_bwd = sustained_crossing([(s, run["passes"][s][0], y, se) for s, _, y, se in counted],
-                                 level)
-    no_grad = sustained_crossing([(s, run["passes"][s][1], y, se) for s, _, y, se in counted],
-                                 level)
+    fwd_bwd = sustained_crossing(over_passes(run, lambda g, fwd_bwd, no_grad: fwd_bwd), level)
+    no_grad = sustained_crossing(over_passes(run, lambda g, fwd_bwd, no_grad: no_grad), level)
     return generated, fwd_bwd, no_grad, generated * prefill_share(run)
 
 
