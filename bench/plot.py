@@ -127,12 +127,15 @@ def area_panel(ax, arms: list[dict], colour: dict) -> None:
 
 
 def plot_cost(compare: dict, path: str, gpu: list[tuple[str, float]]) -> None:
-    """Time ratio against ρ per arm (the baseline is the line at 1)."""
+    """Time ratio against ρ per arm (the baseline is the line at 1), each with its interval at
+    the ratios of the table; the y-axis ends a fifth above the highest curve."""
     plt = pyplot()
     arms = compare["strategies"]
     grid = np.geomspace(1 / 3, 30, 200)
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     colour = colours(len(arms))  # the palette `plot` takes for this many arms
+    drawn = []  # (colour, the arm's ratios at RATIOS) of each arm with a curve
+    highest = 1.0
     for i, arm in enumerate(arms[1:]):
         pairs = arm["gpu_time"]["pairs"]
         ys = [time_ratio(pairs, rho)[0] for rho in grid]
@@ -140,13 +143,21 @@ def plot_cost(compare: dict, path: str, gpu: list[tuple[str, float]]) -> None:
             ax.plot([], [], color=colour[i], label=f"{arm['strategy']} (never, or undefined)")
             continue
         ax.plot(grid, ys, color=colour[i], label=arm["strategy"])
-        for rho, ratio, lo, hi in arm["gpu_time"]["ratios"]:
-            if math.isfinite(ratio) and math.isfinite(lo):
-                ax.errorbar(rho, ratio, yerr=[[ratio - lo], [min(hi, 10) - ratio]],
-                            color=colour[i], capsize=3, fmt="o", markersize=3)
+        highest = max(highest, *filter(math.isfinite, ys))
+        drawn.append((colour[i], arm["gpu_time"]["ratios"]))
         even = arm["gpu_time"]["break_even"][-1]
         if math.isfinite(even["ratio"]) and grid[0] <= even["ratio"] <= grid[-1]:
             ax.plot(even["ratio"], 1, "D", color=colour[i], markersize=6)
+    top = max(2.0, 1.2 * highest)  # the curves decide the scale, not their intervals
+    ax.set_ylim(0, top)
+    for c, ratios in drawn:  # intervals above the top run to it; an unbounded one ends in ▲
+        for rho, ratio, lo, hi in ratios:
+            if not (math.isfinite(ratio) and math.isfinite(lo)):
+                continue
+            ax.errorbar(rho, ratio, yerr=[[ratio - lo], [min(hi, top) - ratio]], color=c,
+                        capsize=3, fmt="o", markersize=3)
+            if not math.isfinite(hi):
+                ax.plot(rho, top, "^", color=c, markersize=7, clip_on=False)
     ax.axhline(1, color="black", linewidth=1, label=f"{arms[0]['strategy']} (baseline)")
     for label, rho in gpu:
         ax.axvline(rho, color="grey", linestyle=":")
@@ -159,7 +170,7 @@ def plot_cost(compare: dict, path: str, gpu: list[tuple[str, float]]) -> None:
            ylabel=f"GPU time ÷ {arms[0]['strategy']}'s",
            title=f"Time to {100 * target:.1f} % {compare.get('metric', 'accuracy')}: a model "
                  "computed from CPU runs (analysis/cost.py)")
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: no line hidden
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

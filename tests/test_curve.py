@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -322,6 +323,29 @@ def test_the_measured_gpu_ratios_and_the_plot(tmp_path):
               str(tmp_path / "cmp" / "compare.json"), str(tmp_path / "cost.png"), "--cost"]
     subprocess.run(script, check=True, capture_output=True, timeout=120)
     assert (tmp_path / "cost.png").stat().st_size > 0
+
+
+def test_the_cost_plot_is_scaled_by_its_curves_and_marks_an_unbounded_interval(tmp_path,
+                                                                              monkeypatch):
+    """An interval without an upper end is drawn to the top of the axis and ends in ▲; the axis
+    ends a fifth above the highest curve (at least at 2), whatever the intervals reach."""
+    pytest.importorskip("matplotlib")
+    from bench import plot
+    cp.main([*two_arms(tmp_path), "--out-dir", str(tmp_path / "cmp")])
+    compare = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    fast = compare["strategies"][1]["gpu_time"]
+    rho, ratio, lo, _ = fast["ratios"][0]
+    fast["ratios"][0] = [rho, ratio, lo, math.inf]
+    fast["ratios"][1][3] = 50.0  # a finite upper end far above the curves
+    plt = plot.pyplot()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot.plot_cost(compare, str(tmp_path / "cost.png"), [])
+    ax = figures[0].axes[0]
+    highest = max(cost.time_ratio(fast["pairs"], r)[0] for r in np.geomspace(1 / 3, 30, 200))
+    assert ax.get_ylim() == pytest.approx((0, max(2.0, 1.2 * highest)))
+    tops = [line for line in ax.lines if line.get_marker() == "^"]
+    assert [(x, y) for line in tops for x, y in line.get_xydata()] == [(rho, ax.get_ylim()[1])]
 
 
 # ------------------------------------------------------------------------ --continued
