@@ -2,12 +2,16 @@
 task, then the comparison tables (eval.py --compare, the area to the shortest finished run's tokens)
 in <out>/compare/<metric>/ (accuracy, pass_at_k, maj_at_k, greedy; with a tuned --baseline, against
 `none` too in compare/vs_none/) and accuracy's plot. Runs continued past their end in <out>_long/
-(same names: #60's rule) give the final value's crossings (eval.py --compare --continued).
+(same names: #60's rule) give the final value's crossings (eval.py --compare --continued);
+--continue-to STEPS makes them: each run of every arm whose seed-mean final avg@k is below the tuned
+baseline's is copied there and resumed to STEPS (made again from step 0 if it kept no checkpoint).
 
 Usage:
   python bench/reproduce_tiny.py                                      # configs/tiny/* -> runs/repro
   python bench/reproduce_tiny.py --configs configs/tiny_half --out runs/repro_half
   python bench/reproduce_tiny.py --names none aper --seeds 0 1 --jobs 2
+  python bench/reproduce_tiny.py --configs configs/fair --out runs/fair \
+      --baseline none,none_lr0.5x,none_lr0.75x,none_lr1.5x,none_lr2x --continue-to 300  # #60
 
 Every `<configs>/<name>.yaml` but common.yaml is one arm (configs/tiny/: one per replay strategy in
 replay.STRATEGIES, plus dynamic.yaml, DAPO's dynamic sampling). The arms share their fresh rollouts
@@ -28,6 +32,8 @@ are the reproduction's own: a reproduction started again replaces them.
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -35,8 +41,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LONG = "_long"  # <out>_long/: the runs continued past their end, each named as its run
 sys.path.insert(0, str(REPO))
+from analysis.area import tuned
+from analysis.compare_io import load_run
 from analysis.evals import METRICS
+from analysis.stats import mean
 from bench import cli
 from config import load_config
 from replay import STRATEGIES
@@ -50,9 +60,13 @@ def arms(folder: Path) -> list[str]:
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
-def train(configs: Path, name: str, seed: int, out: Path, extra: list[str]) -> Path:
+def train(configs: Path, name: str, seed: int, out: Path, extra: list[str],
+          steps: int | None = None) -> Path:
+    """Run `<out>/<name>-s<seed>` of `<configs>/<name>.yaml`: skipped when finished (to `steps`,
+    when given: a run continued past its end), resumed from its newest checkpoint, or started over
+    (--overwrite) when it saved none."""
     run = out / f"{name}-s{seed}"
-    if (run / "summary.json").exists():
+    if finished(run, steps):
         print(f"[skip] {run} is finished", flush=True)
         return run
     start = "--overwrite"
@@ -61,12 +75,56 @@ def train(configs: Path, name: str, seed: int, out: Path, extra: list[str]) -> P
         print(f"[resume] {run}", flush=True)
     cmd = [sys.executable, "train.py", "--config", str(configs / f"{name}.yaml"),
            f"--out_dir={run}", f"--seed={seed}",
-           start, f"--wandb.name={configs.name}-{name}-s{seed}", *extra]
+           start, f"--wandb.name={configs.name}{LONG * bool(steps)}-{name}-s{seed}", *extra]
+    if steps:
+        cmd.append(f"--max_steps={steps}")
     t0 = time.time()
     with open(out / f"{name}-s{seed}.log", "a") as log:
         subprocess.run(cmd, cwd=REPO, check=True, stdout=log, stderr=subprocess.STDOUT)
     print(f"[done] {run} in {time.time() - t0:.0f}s", flush=True)
     return run
+
+
+def finished(run: Path, steps: int | None) -> bool:
+    """Whether `run` wrote its summary.json (of `steps` steps, when given)."""
+    summary = run / "summary.json"
+    if not summary.exists():
+        return False
+    if steps is None:
+        return True
+    return json.loads(summary.read_text()).get("steps", 0) >= steps
+
+
+def below_baseline(out: Path, names: list[str], seeds: list[int], candidates: list[str]) -> tuple:
+    """#60's continuation rule: (the tuned baseline, the arms whose seed-mean final avg@k is below
+    its). The tuned baseline is the arm of `candidates` of highest mean area in avg@k at the
+    shortest finished run's tokens (analysis/area.py, as eval.py --compare --baseline chooses)."""
+    runs = []
+    for name in names:
+        for seed in seeds:
+            runs.append(load_run(out / f"{name}-s{seed}") | {"strategy": name})
+    baseline = tuned(runs, candidates, "shortest")[0]
+    finals = {}
+    for name in names:
+        mine = [run["final"] for run in runs if run["strategy"] == name]
+        if None in mine:
+            raise ValueError(f"--continue-to: a run of {name} has no eval, so no final value")
+        finals[name] = mean(mine)
+    return baseline, [name for name in names if finals[name] < finals[baseline]]
+
+
+def continued(configs: Path, name: str, seed: int, out: Path, steps: int, extra: list[str]):
+    """`<out>/<name>-s<seed>` continued to `steps` in <out>_long/ (#60's rule): a copy of the run
+    resumed from its newest checkpoint (a constant learning rate: then it is the run, longer). A
+    run that kept no checkpoint is made again there from step 0 (the same run where nothing but
+    max_steps differs; eval.py --compare --continued refuses a copy whose first evals differ)."""
+    run, copy = out / f"{name}-s{seed}", out.with_name(out.name + LONG) / f"{name}-s{seed}"
+    if not copy.exists() and any(run.glob("checkpoints/step_*")):
+        partial = copy.with_name(copy.name + ".partial")  # (a copy cut short is never resumed)
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(run, partial)
+        partial.rename(copy)
+    train(configs, name, seed, copy.parent, extra, steps)
 
 
 def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path:
@@ -87,6 +145,25 @@ def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path
     return phase1
 
 
+def continued_arms(out: Path, names: list[str], seeds: list[int], candidates: list[str],
+                   longer: Path) -> list[str]:
+    """The arms `below_baseline` continues, said on a line; exits with one line when the tuned
+    baseline cannot be chosen, or when `longer` holds a copy of a run of another arm (the tables
+    would measure it there: the rule continues only the arms below the baseline)."""
+    try:
+        baseline, below = below_baseline(out, names, seeds, candidates)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    print(f"continued: {', '.join(below) or 'no arm'} (seed-mean final avg@k below that of the "
+          f"tuned baseline {baseline})", flush=True)
+    for name in names:
+        stray = sorted(longer.glob(f"{name}-s*/"))
+        if stray and name not in below:
+            sys.exit(f"error: {stray[0]}: a copy of a run of {name}, which the rule does not "
+                     f"continue (its seed-mean final avg@k is not below {baseline}'s): remove it")
+    return below
+
+
 def main() -> None:
     ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--configs", default="configs/tiny", help="folder with one <name>.yaml per arm")
@@ -98,6 +175,10 @@ def main() -> None:
                     "to tune it over (none,none_lr2x: the one of higher mean area)")
     ap.add_argument("--jobs", type=cli.positive_int, default=2,
                     help="training processes at once (each uses one thread)")
+    ap.add_argument("--continue-to", type=cli.positive_int, metavar="STEPS",
+                    help="#60's rule: every run of each arm whose seed-mean final avg@k is below "
+                    "the tuned baseline's is continued to STEPS in <out>_long/ (the tables "
+                    "measure the baseline's final value on them)")
     # anything else is passed to train.py as an override
     a, extra = ap.parse_known_args()
     configs = (REPO / a.configs).resolve()
@@ -114,25 +195,33 @@ def main() -> None:
         ap.error(f"--seeds names a seed twice: {' '.join(map(str, a.seeds))}")
     ap.check_folder("--out", a.out)
     for name in names:  # every arm's config with the overrides, before the first run
-        ap.check_config(str(configs / f"{name}.yaml"), extra)
+        cfg = ap.check_config(str(configs / f"{name}.yaml"), extra)
+        if a.continue_to and a.continue_to <= cfg.max_steps:
+            ap.error(f"--continue-to {a.continue_to}: not past {name}'s {cfg.max_steps} steps")
     out = (REPO / (a.out or "runs/repro" + configs.name.removeprefix("tiny"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:
         train(configs, "none", a.seeds[0], out, extra)  # RLEP's phase I samples its final model
-        rlep = []
+        overrides = {name: extra for name in names}
         if "rlep" in names:
             phase1 = rlep_phase_one(out, a.seeds[0], configs / "rlep.yaml", extra)
-            rlep = [f"--replay.rlep_source={phase1}"]
+            overrides["rlep"] = extra + [f"--replay.rlep_source={phase1}"]
         # seed by seed, every arm: a reproduction stopped part-way has a few seeds of every arm
         jobs = [(n, s) for s in a.seeds for n in names if (n, s) != ("none", a.seeds[0])]
-        list(pool.map(lambda j: train(configs, j[0], j[1], out,
-                                      extra + (rlep if j[0] == "rlep" else [])), jobs))
-    print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
+        list(pool.map(lambda j: train(configs, j[0], j[1], out, overrides[j[0]]), jobs))
+        print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
+        longer = out.with_name(out.name + LONG)  # copies run past their end (#60's rule)
+        if a.continue_to:
+            below = continued_arms(out, names, a.seeds, a.baseline.split(","), longer)
+            if below:
+                longer.mkdir(exist_ok=True)
+            jobs = [(n, s) for s in a.seeds for n in below]
+            list(pool.map(lambda j: continued(configs, j[0], j[1], out, a.continue_to,
+                                              overrides[j[0]]), jobs))
     runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest",
                "--overwrite"]  # (its own comparison: a reproduction started again replaces it)
-    longer = out.with_name(out.name + "_long")  # copies run past their end (#60's rule)
     if longer.is_dir():
         compare += ["--continued", str(longer)]  # the final value measured on them
     for baseline in dict.fromkeys([a.baseline, "none"]):  # a tuned baseline, then plain GRPO
