@@ -1,8 +1,9 @@
 """Reproduce the replay claims at tiny scale: every config of a folder × 10 seeds on the embedded
 task, then the comparison tables (eval.py --compare, the area to the shortest finished run's tokens)
 in <out>/compare/<metric>/ (accuracy, pass_at_k, maj_at_k, greedy; with a tuned --baseline, against
-`none` too in compare/vs_none/) and accuracy's plot. Runs continued past their end in <out>_long/
-(same names: #60's rule) give the final value's crossings (eval.py --compare --continued);
+`none` too in compare/vs_none/) and accuracy's plots (compare.png; cost.png, the GPU-time model).
+Runs continued past their end in <out>_long/ (same names: #60's rule) give the final value's
+crossings (eval.py --compare --continued);
 --continue-to STEPS makes them: each run of every arm whose seed-mean final avg@k is below the tuned
 baseline's is copied there and resumed to STEPS (made again from step 0 if it kept no checkpoint).
 
@@ -224,6 +225,9 @@ def main() -> None:
                "--overwrite"]  # (its own comparison: a reproduction started again replaces it)
     if longer.is_dir():
         compare += ["--continued", str(longer)]  # the final value measured on them
+    drawn = importlib.util.find_spec("matplotlib") is not None
+    if not drawn:
+        print("matplotlib is not installed (pip install -r bench/requirements.txt): no plot")
     for baseline in dict.fromkeys([a.baseline, "none"]):  # a tuned baseline, then plain GRPO
         tables = out / "compare"
         if baseline != a.baseline:
@@ -231,12 +235,16 @@ def main() -> None:
         for metric, folder in METRICS.items():  # compare/accuracy (avg@k), compare/pass_at_k, ...
             subprocess.run([*compare, "--baseline", baseline, "--metric", metric, "--out-dir",
                             str(tables / folder)], cwd=REPO, check=True)
-    if importlib.util.find_spec("matplotlib") is None:
-        print("matplotlib is not installed (pip install -r bench/requirements.txt): no plot")
-        return
-    tables = out / "compare" / "accuracy"
-    subprocess.run([sys.executable, "bench/plot.py", str(tables / "compare.json"),
-                    str(tables / "compare.png"), "--overwrite"], cwd=REPO, check=True)
+        if drawn:
+            plot(tables / "accuracy")
+
+
+def plot(tables: Path) -> None:
+    """accuracy's plots in `tables`: compare.png (accuracy against generated tokens) and cost.png
+    (the GPU-time model, bench/plot.py --cost, the H100's measured ratios marked)."""
+    for name, kind in (("compare.png", []), ("cost.png", ["--cost"])):
+        subprocess.run([sys.executable, "bench/plot.py", str(tables / "compare.json"),
+                        str(tables / name), *kind, "--overwrite"], cwd=REPO, check=True)
 
 
 if __name__ == "__main__":

@@ -472,6 +472,13 @@ def test_reproduce_tiny_publishes_every_metric_against_both_baselines(tmp_path, 
             for metric, folder in folders.items():
                 expected.append((against, metric, str(tmp_path / "compare" / sub / folder)))
         assert sorted(compared) == sorted(expected)
+        drawn = [(Path(cmd[2]).parent, Path(cmd[3]).name, "--cost" in cmd) for cmd in calls
+                 if cmd[1] == "bench/plot.py"]
+        figures = []  # accuracy's plot and its GPU-time model, for each baseline
+        for sub in tables.values():
+            for name, cost in (("compare.png", False), ("cost.png", True)):
+                figures.append((tmp_path / "compare" / sub / "accuracy", name, cost))
+        assert sorted(drawn) == sorted(figures)
     assert not any("--continued" in cmd for cmd in calls)
     longer = tmp_path.with_name(tmp_path.name + "_long")  # continued copies beside --out
     longer.mkdir()
