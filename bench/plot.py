@@ -62,12 +62,13 @@ def seed_curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def colours(n: int) -> list:
-    """n distinct colours: tab10 up to 10 arms, tab20 up to 20, then a continuous map."""
+    """n distinct colours: tab10 up to 10 arms; up to 20, tab20's ten dark shades (tab10's colours)
+    and then its light ones, so that no two of the first ten arms share a hue; then a continuous
+    map."""
     plt = pyplot()
-    if n <= 10:
-        return [plt.get_cmap("tab10")(i) for i in range(n)]
     if n <= 20:
-        return [plt.get_cmap("tab20")(i) for i in range(n)]
+        order = [*range(0, 20, 2), *range(1, 20, 2)]  # tab20 pairs a dark and a light shade
+        return [plt.get_cmap("tab20")(order[i]) for i in range(n)]
     return [plt.get_cmap("turbo")(i / (n - 1)) for i in range(n)]
 
 

@@ -326,6 +326,19 @@ def test_the_measured_gpu_ratios_and_the_plot(tmp_path):
     assert (tmp_path / "cost.png").stat().st_size > 0
 
 
+def test_the_first_ten_arms_keep_ten_distinct_hues_whatever_the_number_of_arms():
+    """#60's twelve arms: tab20 in its own order paired each arm with the next in two shades of one
+    hue (none_lr1.5x and epochs3 both blue). Now the first ten arms take tab10's colours however
+    many arms there are, and the eleventh on the light shades."""
+    pytest.importorskip("matplotlib")
+    from bench import plot
+    ten = plot.colours(10)
+    for n in (11, 12, 20):
+        many = plot.colours(n)
+        assert many[:10] == ten and len(set(many)) == n
+    assert ten == [plot.pyplot().get_cmap("tab10")(i) for i in range(10)]
+
+
 def test_the_cost_plot_is_scaled_by_its_curves_and_marks_an_unbounded_interval(tmp_path,
                                                                               monkeypatch):
     """An interval without an upper end is drawn to the top of the axis and ends in ▲; the axis
