@@ -413,6 +413,32 @@ def test_torchrun_refuses_prompts_that_do_not_split_over_the_ranks(model_dir, tm
     assert not out.exists()
 
 
+
+def test_a_bad_input_line_is_one_write_so_ranks_cannot_split_it(monkeypatch):
+    """The test above once read "error: ...(2)error: ...(2)\n": each rank's print wrote its text
+    and its newline in two writes (stderr writes through), and the other rank's line came between.
+    Through train.main, and through a command's argument parser: each line is one write."""
+    from support.util import OneLineParser
+
+    class Pipe:  # stderr as the ranks' shared pipe: every write kept apart
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+    pipe = Pipe()
+    monkeypatch.setattr(sys, "stderr", pipe)
+    code = train.main(["--config", "configs/tiny.yaml", "--rollout.group_size=0"])
+    with pytest.raises(SystemExit):
+        OneLineParser(prog="eval.py").error("argument --k: must be ≥ 1")
+    assert code == 2 and len(pipe.writes) == 2, pipe.writes
+    assert all(w.endswith("\n") and w.count("\n") == 1 for w in pipe.writes), pipe.writes
+
 FSDP_RUN = ["train.py", "--config", "configs/tiny.yaml", "--model.parallel=fsdp",
             "--rollout.batch_size=16", "--rollout.group_size=4", "--rollout.max_new_tokens=16",
             "--eval.n=8", "--eval.k=1", "--eval.every=0", "--checkpoint.every=2",
