@@ -11,7 +11,6 @@ import pickle
 import random
 import shutil
 import signal
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from support import integrity, replay_state
 from support.models import save_model
 from support.parallel import MAX, all_ranks, rank_and_world
 from support.preempt import rng_state, set_rng_state
-from support.util import RunError, flat_dict, oneline
+from support.util import RunError, flat_dict, oneline, stderr_line
 
 # Config keys (and prefixes) that may change on --resume.
 RESUMABLE = ("max_steps", "threads", "out_dir", "eval.", "wandb.", "checkpoint.",
@@ -55,7 +54,7 @@ def stopped(out: Path, progress, signum: int) -> None:
     if progress.pending_row and signum == signal.SIGTERM:
         where += f" (with the eval of step {progress.step}, cut short)"
     name = signal.Signals(signum).name
-    print(f"\nstopped by {name} after step {progress.step}; {where}", file=sys.stderr)
+    stderr_line(f"\nstopped by {name} after step {progress.step}; {where}")  # (every rank's)
 
 
 def saved_at(out: Path, step: int) -> bool:

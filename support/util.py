@@ -167,11 +167,11 @@ def command_errors(prefix: str, debug: bool, errors: tuple):
         if debug:
             e.__suppress_context__ = False  # the exception it replaced is shown too
             raise
-        error_line(f"{prefix}error: {oneline(e, 10**6)}")
+        stderr_line(f"{prefix}error: {oneline(e, 10**6)}")
         raise SystemExit(2) from None
 
 
-def error_line(line: str) -> None:
+def stderr_line(line: str) -> None:
     """`line` on stderr in one write: the ranks of a torchrun share the pipe, and print's two
     writes (the text, then the newline: stderr writes through) let another rank's line in."""
     sys.stderr.write(line + "\n")
@@ -191,7 +191,7 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line and exit 2, as every other bad input (no usage block)."""
 
     def error(self, message: str):
-        error_line(f"{self.prog}: error: {' '.join(message.split())}")
+        stderr_line(f"{self.prog}: error: {' '.join(message.split())}")
         raise SystemExit(2)
 
 
