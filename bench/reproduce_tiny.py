@@ -61,6 +61,15 @@ def arms(folder: Path) -> list[str]:
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
+def default_out(configs: Path) -> str:
+    """runs/repro for configs/tiny, runs/repro_<suffix> for configs/tiny_<suffix>, and
+    runs/repro_<folder> for any other folder."""
+    suffix = configs.name.removeprefix("tiny")
+    if suffix == configs.name:
+        suffix = f"_{suffix}"
+    return f"runs/repro{suffix}"
+
+
 def train(configs: Path, name: str, seed: int, out: Path, extra: list[str],
           steps: int | None = None) -> Path:
     """Run `<out>/<name>-s<seed>` of `<configs>/<name>.yaml`: skipped when finished (to `steps`,
@@ -169,7 +178,8 @@ def main() -> None:
     ap = cli.Parser(__file__, __doc__)
     ap.add_argument("--configs", default="configs/tiny", help="folder with one <name>.yaml per arm")
     ap.add_argument("--out", default=None,
-                    help="where the runs go (default runs/repro, runs/repro_<folder suffix>)")
+                    help="where the runs go (default: runs/repro for configs/tiny, "
+                    "runs/repro_half for configs/tiny_half, runs/repro_fair for configs/fair)")
     ap.add_argument("--names", nargs="+", help="arms to run (default: every config in --configs)")
     ap.add_argument("--seeds", type=cli.count, nargs="+", default=list(range(10)))
     ap.add_argument("--baseline", default="none", help="eval.py --compare's: the arm, or arms "
@@ -199,7 +209,7 @@ def main() -> None:
         cfg = ap.check_config(str(configs / f"{name}.yaml"), extra)
         if a.continue_to and a.continue_to <= cfg.max_steps:
             ap.error(f"--continue-to {a.continue_to}: not past {name}'s {cfg.max_steps} steps")
-    out = (REPO / (a.out or "runs/repro" + configs.name.removeprefix("tiny"))).resolve()
+    out = (REPO / (a.out or default_out(configs))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:

@@ -439,6 +439,16 @@ def test_reproduce_tiny_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_
 
 
 
+def test_reproduce_tiny_default_out_is_named_after_the_configs_folder(monkeypatch):
+    """configs/fair's runs once went to runs/reprofair: the folder's name, not only a tiny_ suffix."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import reproduce_tiny
+
+    named = {"tiny": "runs/repro", "tiny_half": "runs/repro_half", "fair": "runs/repro_fair"}
+    for folder, out in named.items():
+        assert reproduce_tiny.default_out(REPO / "configs" / folder) == out
+
+
 def test_reproduce_tiny_publishes_every_metric_against_both_baselines(tmp_path, monkeypatch):
     """bench/reproduce_tiny.py, its runs finished: one comparison per eval metric (accuracy,
     pass@k, maj@k, greedy) against the tuned --baseline in <out>/compare/<metric>, and the same
