@@ -440,7 +440,7 @@ def test_reproduce_tiny_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_
 
 
 def test_reproduce_tiny_default_out_is_named_after_the_configs_folder(monkeypatch):
-    """configs/fair's runs once went to runs/reprofair: the folder's name, not only a tiny_ suffix."""
+    """configs/fair's runs once went to runs/reprofair: the folder's name, not a tiny_ suffix."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import reproduce_tiny
 
