@@ -64,10 +64,9 @@ def arms(folder: Path) -> list[str]:
 def default_out(configs: Path) -> str:
     """runs/repro for configs/tiny, runs/repro_<suffix> for configs/tiny_<suffix>, and
     runs/repro_<folder> for any other folder."""
-    suffix = configs.name.removeprefix("tiny")
-    if suffix == configs.name:
-        suffix = f"_{suffix}"
-    return f"runs/repro{suffix}"
+    if configs.name == "tiny":
+        return "runs/repro"
+    return f"runs/repro_{configs.name.removeprefix('tiny_')}"
 
 
 def train(configs: Path, name: str, seed: int, out: Path, extra: list[str],
@@ -155,7 +154,7 @@ def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path
     return phase1
 
 
-def continued_arms(out: Path, names: list[str], seeds: list[int], candidates: list[str],
+def continued_arms(ap, out: Path, names: list[str], seeds: list[int], candidates: list[str],
                    longer: Path) -> list[str]:
     """The arms `below_baseline` continues, said on a line; exits with one line when the tuned
     baseline cannot be chosen, or when `longer` holds a copy of a run of another arm (the tables
@@ -163,13 +162,13 @@ def continued_arms(out: Path, names: list[str], seeds: list[int], candidates: li
     try:
         baseline, below = below_baseline(out, names, seeds, candidates)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        ap.error(str(e))
     print(f"continued: {', '.join(below) or 'no arm'} (seed-mean final avg@k below that of the "
           f"tuned baseline {baseline})", flush=True)
     for name in names:
         stray = sorted(longer.glob(f"{name}-s*/"))
         if stray and name not in below:
-            sys.exit(f"error: {stray[0]}: a copy of a run of {name}, which the rule does not "
+            ap.error(f"{stray[0]}: a copy of a run of {name}, which the rule does not "
                      f"continue (its seed-mean final avg@k is not below {baseline}'s): remove it")
     return below
 
@@ -224,7 +223,7 @@ def main() -> None:
         print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
         longer = out.with_name(out.name + LONG)  # copies run past their end (#60's rule)
         if a.continue_to:
-            below = continued_arms(out, names, a.seeds, a.baseline.split(","), longer)
+            below = continued_arms(ap, out, names, a.seeds, a.baseline.split(","), longer)
             if below:
                 longer.mkdir(exist_ok=True)
             jobs = [(n, s) for s in a.seeds for n in below]
@@ -233,7 +232,8 @@ def main() -> None:
     runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest",
                "--overwrite"]  # (its own comparison: a reproduction started again replaces it)
-    if longer.is_dir():
+    copies = [longer / f"{n}-s{s}" for n in names for s in a.seeds]  # (named as their runs)
+    if any(copy.is_dir() for copy in copies):
         compare += ["--continued", str(longer)]  # the final value measured on them
     drawn = importlib.util.find_spec("matplotlib") is not None
     if not drawn:

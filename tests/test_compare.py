@@ -444,7 +444,8 @@ def test_reproduce_tiny_default_out_is_named_after_the_configs_folder(monkeypatc
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import reproduce_tiny
 
-    named = {"tiny": "runs/repro", "tiny_half": "runs/repro_half", "fair": "runs/repro_fair"}
+    named = {"tiny": "runs/repro", "tiny_half": "runs/repro_half", "fair": "runs/repro_fair",
+             "tinyx": "runs/repro_tinyx"}
     for folder, out in named.items():
         assert reproduce_tiny.default_out(REPO / "configs" / folder) == out
 
@@ -492,6 +493,10 @@ def test_reproduce_tiny_publishes_every_metric_against_both_baselines(tmp_path, 
     assert not any("--continued" in cmd for cmd in calls)
     longer = tmp_path.with_name(tmp_path.name + "_long")  # continued copies beside --out
     longer.mkdir()
+    calls.clear()
+    reproduce_tiny.main()  # an empty folder, or one without a copy of these runs: not passed
+    assert not any("--continued" in cmd for cmd in calls)
+    (longer / "gxpo_nogate-s1").mkdir()
     calls.clear()
     reproduce_tiny.main()
     compares = [cmd for cmd in calls if "--compare" in cmd]

@@ -506,8 +506,8 @@ def test_the_rule_continues_the_arms_whose_seed_mean_final_is_below_the_tuned_ba
 
 
 @needs_model
-def test_reproduce_tiny_continues_through_train_py_and_publishes_on_the_copies(tmp_path,
-                                                                                monkeypatch):
+def test_reproduce_tiny_continues_through_train_py_and_publishes_on_the_copies(
+        tmp_path, monkeypatch, capsys):
     """bench/reproduce_tiny.py --continue-to 4 on three 2-step arms: the runs of the arm whose
     final avg@k is below the baseline's (computed here from summary.json) are copied to
     <out>_long/ and resumed to step 4 by train.py (their first steps the run's, every key), the
@@ -582,6 +582,9 @@ def test_reproduce_tiny_continues_through_train_py_and_publishes_on_the_copies(t
     reproduce_tiny.main()  # started again: every run and copy finished
     assert trained == []
     shutil.copytree(copy, longer / "same-s0")
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         reproduce_tiny.main()
-    assert "same-s0: a copy of a run of same, which the rule does not continue" in str(e.value)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err  # one line, as all bad input
+    assert "same-s0: a copy of a run of same, which the rule does not continue" in err
