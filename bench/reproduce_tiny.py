@@ -126,7 +126,9 @@ def continued(configs: Path, name: str, seed: int, out: Path, steps: int, extra:
     """`<out>/<name>-s<seed>` continued to `steps` in <out>_long/ (#60's rule): a copy of the run
     resumed from its newest checkpoint (a constant learning rate: then it is the run, longer). A
     run that kept no checkpoint is made again there from step 0 (the same run where nothing but
-    max_steps differs; eval.py --compare --continued refuses a copy whose first evals differ)."""
+    max_steps differs; eval.py --compare --continued refuses a copy whose first evals differ).
+    The checkpoint keeps the run's wandb id, so a copy continues its run's wandb record (online:
+    the original's record gets the continued steps; the files on disk are the copy's)."""
     run, copy = out / f"{name}-s{seed}", out.with_name(out.name + LONG) / f"{name}-s{seed}"
     if not copy.exists() and any(run.glob("checkpoints/step_*")):
         partial = copy.with_name(copy.name + ".partial")  # (a copy cut short is never resumed)
