@@ -36,7 +36,6 @@ import copy
 import os
 import random
 import signal
-import sys
 import time
 from contextlib import contextmanager
 
@@ -46,6 +45,7 @@ import torch.distributed as dist
 import transformers
 
 from support import parallel
+from support.util import stderr_line
 
 KEY = "preempt/stop"  # in the process group's store: the signal number a rank got
 POLL = 1.0  # seconds between looks into the store
@@ -79,7 +79,7 @@ class Stop:
     def handle(self, signum, frame) -> None:
         again = self.signum and signum == signal.SIGINT
         if again and time.monotonic() - self.at > 1:  # (within a second: a launcher's copy)
-            print("\nerror: SIGINT again: stopping now, without a checkpoint", file=sys.stderr)
+            stderr_line("\nerror: SIGINT again: stopping now, without a checkpoint")  # every rank
             os._exit(128 + signum)
         if not self.signum:
             self.signum = signum
@@ -137,8 +137,7 @@ def setting_up():
 def stopped_in_setup() -> int:
     """The one line and the exit code (128 + the signal) of a stop during set-up."""
     name = signal.Signals(STOP.signum).name
-    print(f"stopped by {name} during set-up; nothing was written (out_dir is as it was)",
-          file=sys.stderr)
+    stderr_line(f"stopped by {name} during set-up; nothing was written (out_dir is as it was)")
     return 128 + STOP.signum
 
 
