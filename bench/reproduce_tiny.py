@@ -122,20 +122,21 @@ def below_baseline(out: Path, names: list[str], seeds: list[int], candidates: li
     return baseline, [name for name in names if finals[name] < finals[baseline]]
 
 
-def continued(configs: Path, name: str, seed: int, out: Path, steps: int, extra: list[str]):
-    """`<out>/<name>-s<seed>` continued to `steps` in <out>_long/ (#60's rule): a copy of the run
+def continued(configs: Path, name: str, seed: int, out: Path, longer: Path, steps: int,
+              extra: list[str]):
+    """`<out>/<name>-s<seed>` continued to `steps` in `longer` (#60's rule): a copy of the run
     resumed from its newest checkpoint (a constant learning rate: then it is the run, longer). A
     run that kept no checkpoint is made again there from step 0 (the same run where nothing but
     max_steps differs; eval.py --compare --continued refuses a copy whose first evals differ).
     The checkpoint keeps the run's wandb id, so a copy continues its run's wandb record (online:
     the original's record gets the continued steps; the files on disk are the copy's)."""
-    run, copy = out / f"{name}-s{seed}", out.with_name(out.name + LONG) / f"{name}-s{seed}"
+    run, copy = out / f"{name}-s{seed}", longer / f"{name}-s{seed}"
     if not copy.exists() and any(run.glob("checkpoints/step_*")):
         partial = copy.with_name(copy.name + ".partial")  # (a copy cut short is never resumed)
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(run, partial)
         partial.rename(copy)
-    train(configs, name, seed, copy.parent, extra, steps)
+    train(configs, name, seed, longer, extra, steps)
 
 
 def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path:
@@ -229,7 +230,7 @@ def main() -> None:
             if below:
                 longer.mkdir(exist_ok=True)
             jobs = [(n, s) for s in a.seeds for n in below]
-            list(pool.map(lambda j: continued(configs, j[0], j[1], out, a.continue_to,
+            list(pool.map(lambda j: continued(configs, j[0], j[1], out, longer, a.continue_to,
                                               overrides[j[0]]), jobs))
     runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
     compare = [sys.executable, "eval.py", "--compare", *runs, "--budget", "shortest",
