@@ -5,7 +5,8 @@ in <out>/compare/<metric>/ (accuracy, pass_at_k, maj_at_k, greedy; with a tuned 
 Runs continued past their end in <out>_long/ (same names: #60's rule) give the final value's
 crossings (eval.py --compare --continued);
 --continue-to STEPS makes them: each run of every arm whose seed-mean final avg@k is below the tuned
-baseline's is copied there and resumed to STEPS (made again from step 0 if it kept no checkpoint).
+baseline's, and every other run (the baseline's own too) that has not held that final by its end,
+is copied there and resumed to STEPS (made again from step 0 if it kept no checkpoint).
 
 Usage:
   python bench/reproduce_tiny.py                                      # configs/tiny/* -> runs/repro
@@ -45,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 LONG = "_long"  # <out>_long/: the runs continued past their end, each named as its run
 sys.path.insert(0, str(REPO))
 from analysis.area import tuned
+from analysis.compare import sustained_crossing
 from analysis.compare_io import load_run
 from analysis.evals import METRICS
 from analysis.stats import mean
@@ -104,14 +106,17 @@ def finished(run: Path, steps: int | None) -> bool:
     return json.loads(summary.read_text()).get("steps", 0) >= steps
 
 
-def below_baseline(out: Path, names: list[str], seeds: list[int], candidates: list[str]) -> tuple:
-    """#60's continuation rule: (the tuned baseline, the arms whose seed-mean final avg@k is below
-    its). The tuned baseline is the arm of `candidates` of highest mean area in avg@k at the
-    shortest finished run's tokens (analysis/area.py, as eval.py --compare --baseline chooses)."""
+def to_continue(out: Path, names: list[str], seeds: list[int], candidates: list[str]) -> tuple:
+    """#60's continuation rule: (the tuned baseline, the runs to continue as (arm, seed)). The
+    tuned baseline is the arm of `candidates` of highest mean area in avg@k at the shortest
+    finished run's tokens (analysis/area.py, as eval.py --compare --baseline chooses). Continued:
+    every run of an arm whose seed-mean final avg@k is below the baseline's, and any other run
+    whose eval curve does not hold that final by its end (compare.sustained_crossing: the
+    baseline's own too), so that the tokens to the final target have an interval."""
     runs = []
-    for name in names:
-        for seed in seeds:
-            runs.append(load_run(out / f"{name}-s{seed}") | {"strategy": name})
+    for seed in seeds:
+        for name in names:
+            runs.append(load_run(out / f"{name}-s{seed}") | {"strategy": name, "seed": seed})
     baseline = tuned(runs, candidates, "shortest")[0]
     finals = {}
     for name in names:
@@ -119,7 +124,13 @@ def below_baseline(out: Path, names: list[str], seeds: list[int], candidates: li
         if None in mine:
             raise ValueError(f"--continue-to: a run of {name} has no eval, so no final value")
         finals[name] = mean(mine)
-    return baseline, [name for name in names if finals[name] < finals[baseline]]
+    target = finals[baseline]
+    below = []
+    for run in runs:
+        short = sustained_crossing(run["curve"], target) is None
+        if finals[run["strategy"]] < target or short:
+            below.append((run["strategy"], run["seed"]))
+    return baseline, below
 
 
 def continued(configs: Path, name: str, seed: int, out: Path, longer: Path, steps: int,
@@ -157,22 +168,24 @@ def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path
     return phase1
 
 
-def continued_arms(ap, out: Path, names: list[str], seeds: list[int], candidates: list[str],
-                   longer: Path) -> list[str]:
-    """The arms `below_baseline` continues, said on a line; exits with one line when the tuned
-    baseline cannot be chosen, or when `longer` holds a copy of a run of another arm (the tables
-    would measure it there: the rule continues only the arms below the baseline)."""
+def continued_runs(ap, out: Path, names: list[str], seeds: list[int], candidates: list[str],
+                   longer: Path) -> list[tuple]:
+    """The runs `to_continue` continues, said on a line; exits with one line when the tuned
+    baseline cannot be chosen, or when `longer` holds a copy of another run (the tables would
+    measure it there: the rule continues only those runs)."""
     try:
-        baseline, below = below_baseline(out, names, seeds, candidates)
+        baseline, below = to_continue(out, names, seeds, candidates)
     except ValueError as e:
         ap.error(str(e))
-    print(f"continued: {', '.join(below) or 'no arm'} (seed-mean final avg@k below that of the "
-          f"tuned baseline {baseline})", flush=True)
-    for name in names:
-        stray = sorted(longer.glob(f"{name}-s*/"))
-        if stray and name not in below:
-            ap.error(f"{stray[0]}: a copy of a run of {name}, which the rule does not "
-                     f"continue (its seed-mean final avg@k is not below {baseline}'s): remove it")
+    said = [f"{name}-s{seed}" for name, seed in below]
+    print(f"continued: {', '.join(said) or 'no run'} (of an arm whose seed-mean final avg@k is "
+          f"below that of the tuned baseline {baseline}, or not holding it by their end)",
+          flush=True)
+    for copy in sorted(longer.glob("*-s*/")):
+        if copy.name not in said and copy.suffix != ".partial":  # (continued() replaces one)
+            ap.error(f"{copy}: a copy of a run the rule does not continue (its arm's seed-mean "
+                     f"final avg@k is not below {baseline}'s and it holds it by its end): "
+                     f"remove it")
     return below
 
 
@@ -190,8 +203,9 @@ def main() -> None:
                     help="training processes at once (each uses one thread)")
     ap.add_argument("--continue-to", type=cli.positive_int, metavar="STEPS",
                     help="#60's rule: every run of each arm whose seed-mean final avg@k is below "
-                    "the tuned baseline's is continued to STEPS in <out>_long/ (the tables "
-                    "measure the baseline's final value on them)")
+                    "the tuned baseline's, and any other run not holding it by its end, is "
+                    "continued to STEPS in <out>_long/ (the tables measure the baseline's final "
+                    "value on them)")
     # anything else is passed to train.py as an override
     a, extra = ap.parse_known_args()
     configs = (REPO / a.configs).resolve()
@@ -226,10 +240,9 @@ def main() -> None:
         print(f"all runs finished in {(time.time() - t0) / 60:.1f} min", flush=True)
         longer = out.with_name(out.name + LONG)  # copies run past their end (#60's rule)
         if a.continue_to:
-            below = continued_arms(ap, out, names, a.seeds, a.baseline.split(","), longer)
-            if below:
+            jobs = continued_runs(ap, out, names, a.seeds, a.baseline.split(","), longer)
+            if jobs:
                 longer.mkdir(exist_ok=True)
-            jobs = [(n, s) for s in a.seeds for n in below]
             list(pool.map(lambda j: continued(configs, j[0], j[1], out, longer, a.continue_to,
                                               overrides[j[0]]), jobs))
     runs = [f"{n}={out / f'{n}-s{s}'}" for n in names for s in a.seeds]  # each arm by its name
