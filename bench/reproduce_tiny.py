@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LONG = "_long"  # <out>_long/: the runs continued past their end, each named as its run
 sys.path.insert(0, str(REPO))
-from analysis.area import tuned
+from analysis.area import common_grid, tuned
 from analysis.compare import sustained_crossing
 from analysis.compare_io import load_run
 from analysis.evals import METRICS
@@ -125,6 +125,7 @@ def to_continue(out: Path, names: list[str], seeds: list[int], candidates: list[
             raise ValueError(f"--continue-to: a run of {name} has no eval, so no final value")
         finals[name] = mean(mine)
     target = finals[baseline]
+    common_grid(runs)  # (the evals every run shares, as the comparison measures the crossings)
     below = []
     for run in runs:
         short = sustained_crossing(run["curve"], target) is None

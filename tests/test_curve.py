@@ -491,7 +491,8 @@ def test_the_rule_continues_the_arms_below_the_tuned_baseline_and_the_runs_short
     continued (b: 0.595, though its seed 1 ends above), and any other run that does not hold 0.6
     by its end: the baseline's own seed 0 (0.58) and a's seed 0 (0.59; a's mean 0.605), not
     none_lr2x's seed 1, whose 0.59 at the end is within its standard error (0.02) of the 0.6 it
-    reached before."""
+    reached before; and c's seed 0, evaluated every step, whose 0.65 at step 1 is not on the
+    evals every run shares (steps 0, 2, 4), as the comparison measures it."""
     sys.path.insert(0, str(REPO / "bench"))
     import reproduce_tiny
 
@@ -503,9 +504,11 @@ def test_the_rule_continues_the_arms_below_the_tuned_baseline_and_the_runs_short
     for arm, seeds in curves.items():
         for seed, accs in enumerate(seeds):
             train_run(tmp_path, arm, seed, accs)
-    baseline, runs = reproduce_tiny.to_continue(tmp_path, list(curves), [0, 1],
+    train_run(tmp_path, "c", 0, [0.2, 0.65, 0.59, 0.59, 0.59], every=1)
+    train_run(tmp_path, "c", 1, [0.2, 0.5, 0.62])
+    baseline, runs = reproduce_tiny.to_continue(tmp_path, [*curves, "c"], [0, 1],
                                                 ["none", "none_lr2x"])
-    assert (baseline, runs) == ("none", [("none", 0), ("a", 0), ("b", 0), ("b", 1)])
+    assert (baseline, runs) == ("none", [("none", 0), ("a", 0), ("b", 0), ("c", 0), ("b", 1)])
 
 
 @needs_model
