@@ -172,8 +172,9 @@ def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path
 def continued_runs(ap, out: Path, names: list[str], seeds: list[int], candidates: list[str],
                    longer: Path) -> list[tuple]:
     """The runs `to_continue` continues, said on a line; exits with one line when the tuned
-    baseline cannot be chosen, or when `longer` holds a copy of another run (the tables would
-    measure it there: the rule continues only those runs)."""
+    baseline cannot be chosen, or when `longer` holds a copy of another compared run (the tables
+    would measure it there: the rule continues only those runs; copies of runs not compared,
+    another seed's, are not read)."""
     try:
         baseline, below = to_continue(out, names, seeds, candidates)
     except ValueError as e:
@@ -182,8 +183,8 @@ def continued_runs(ap, out: Path, names: list[str], seeds: list[int], candidates
     print(f"continued: {', '.join(said) or 'no run'} (of an arm whose seed-mean final avg@k is "
           f"below that of the tuned baseline {baseline}, or not holding it by their end)",
           flush=True)
-    for copy in sorted(longer.glob("*-s*/")):
-        if copy.name not in said and copy.suffix != ".partial":  # (continued() replaces one)
+    for copy in [longer / f"{name}-s{seed}" for seed in seeds for name in names]:
+        if copy.is_dir() and copy.name not in said:
             ap.error(f"{copy}: a copy of a run the rule does not continue (its arm's seed-mean "
                      f"final avg@k is not below {baseline}'s and it holds it by its end): "
                      f"remove it")

@@ -518,7 +518,8 @@ def test_reproduce_tiny_continues_through_train_py_and_publishes_on_the_copies(
     final avg@k is below the baseline's (computed here from summary.json) are copied to
     <out>_long/ and resumed to step 4 by train.py (their first steps the run's, every key), the
     others not (`same`: none's run, an equal final); the comparisons measure the final value on
-    the copies; started again, it trains nothing; a copy of another arm there is refused."""
+    the copies; started again, it trains nothing, a copy of a run not compared (seed 7) beside;
+    a copy of another compared run there is refused."""
     sys.path.insert(0, str(REPO / "bench"))
     import eval as evaluate
     import reproduce_tiny
@@ -585,6 +586,7 @@ def test_reproduce_tiny_continues_through_train_py_and_publishes_on_the_copies(
     assert continued == {str(out / f"{arm}-s0"): None for arm in ("none", "same")} | {
         str(run_dir): str(copy)}
     trained.clear()
+    shutil.copytree(copy, longer / "same-s7")  # a copy of a run not compared (seed 7): not read
     reproduce_tiny.main()  # started again: every run and copy finished
     assert trained == []
     shutil.copytree(copy, longer / "same-s0")
