@@ -5,8 +5,9 @@ in <out>/compare/<metric>/ (accuracy, pass_at_k, maj_at_k, greedy; with a tuned 
 Runs continued past their end in <out>_long/ (same names: #60's rule) give the final value's
 crossings (eval.py --compare --continued);
 --continue-to STEPS makes them: each run of every arm whose seed-mean final avg@k is below the tuned
-baseline's, and every other run (the baseline's own too) that has not held that final by its end,
-is copied there and resumed to STEPS (made again from step 0 if it kept no checkpoint).
+baseline's, and every other run (the baseline's own too) that has not held that final by its end
+(on the evals every run shares; the arms must share max_steps and eval.every), is copied there and
+resumed to STEPS (made again from step 0 if it kept no checkpoint).
 
 Usage:
   python bench/reproduce_tiny.py                                      # configs/tiny/* -> runs/repro
@@ -172,7 +173,8 @@ def rlep_phase_one(out: Path, seed: int, config: Path, extra: list[str]) -> Path
 def continued_runs(ap, out: Path, names: list[str], seeds: list[int], candidates: list[str],
                    longer: Path) -> list[tuple]:
     """The runs `to_continue` continues, said on a line; exits with one line when the tuned
-    baseline cannot be chosen, or when `longer` holds a copy of another compared run (the tables
+    baseline cannot be chosen, when a run has no eval (no final value), or when `longer` holds a
+    copy of another compared run (the tables
     would measure it there: the rule continues only those runs; copies of runs not compared,
     another seed's, are not read)."""
     try:
@@ -183,11 +185,13 @@ def continued_runs(ap, out: Path, names: list[str], seeds: list[int], candidates
     print(f"continued: {', '.join(said) or 'no run'} (of an arm whose seed-mean final avg@k is "
           f"below that of the tuned baseline {baseline}, or not holding it by their end)",
           flush=True)
-    for copy in [longer / f"{name}-s{seed}" for seed in seeds for name in names]:
-        if copy.is_dir() and copy.name not in said:
-            ap.error(f"{copy}: a copy of a run the rule does not continue (its arm's seed-mean "
-                     f"final avg@k is not below {baseline}'s and it holds it by its end): "
-                     f"remove it")
+    for seed in seeds:
+        for name in names:
+            copy = longer / f"{name}-s{seed}"
+            if copy.is_dir() and copy.name not in said:
+                ap.error(f"{copy}: a copy of a run the rule does not continue (its arm's "
+                         f"seed-mean final avg@k is not below {baseline}'s and it holds it by "
+                         f"its end): remove it")
     return below
 
 
@@ -223,10 +227,16 @@ def main() -> None:
     if len(set(a.seeds)) < len(a.seeds):
         ap.error(f"--seeds names a seed twice: {' '.join(map(str, a.seeds))}")
     ap.check_folder("--out", a.out)
+    grids = {}  # (max_steps, eval.every): the arms of each
     for name in names:  # every arm's config with the overrides, before the first run
         cfg = ap.check_config(str(configs / f"{name}.yaml"), extra)
         if a.continue_to and a.continue_to <= cfg.max_steps:
             ap.error(f"--continue-to {a.continue_to}: not past {name}'s {cfg.max_steps} steps")
+        grids.setdefault((cfg.max_steps, cfg.eval.every), []).append(name)
+    if a.continue_to and len(grids) > 1:  # (the rule's crossings would not be the comparison's)
+        said = [f"{', '.join(arms)}: {steps} steps, an eval every {every}"
+                for (steps, every), arms in grids.items()]
+        ap.error(f"--continue-to: the arms must share max_steps and eval.every ({'; '.join(said)})")
     out = (REPO / (a.out or default_out(configs))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

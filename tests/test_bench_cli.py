@@ -122,6 +122,32 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(work, monkeypatch, caps
     assert snapshot(work) == before
 
 
+def test_reproduce_tiny_continues_only_arms_of_one_length_and_eval_grid(tmp_path, monkeypatch,
+                                                                        capsys):
+    """--continue-to on arms of other eval intervals is one line, exit 2, before anything is
+    written (the rule's crossings would be taken on other evals than the comparison's)."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    base = {"base": str(REPO / "configs" / "tiny.yaml")}
+    (configs / "none.yaml").write_text(json.dumps(base))
+    (configs / "sparse.yaml").write_text(json.dumps(base | {"eval": {"every": 30}}))
+    out = tmp_path / "runs"
+
+    def no_run(*args, **kwargs):  # (a run started is the rule broken)
+        raise AssertionError(f"ran {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_run)
+    args = ["--configs", str(configs), "--out", str(out), "--continue-to", "300"]
+    code, printed, err = run_main("reproduce_tiny.py", args, monkeypatch, capsys)
+    assert code == 2 and printed == "", err
+    assert "the arms must share max_steps and eval.every (none: 60 steps, an eval every 10; " \
+        "sparse: 60 steps, an eval every 30)" in one_line(err, "reproduce_tiny.py")
+    assert not out.exists()
+    code, printed, err = run_main("reproduce_tiny.py", args[:4] + ["--names", "none", "--seeds",
+                                  "0", "--continue-to", "50"], monkeypatch, capsys)
+    assert "not past none's 60 steps" in err  # (one grid: the other checks still run)
+
+
 @pytest.mark.parametrize("script, args, module, words", NEEDS, ids=[n[0] for n in NEEDS])
 def test_a_missing_dependency_is_found_before_any_work(work, monkeypatch, capsys, script, args,
                                                        module, words):
