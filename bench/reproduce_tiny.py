@@ -174,9 +174,8 @@ def continued_runs(ap, out: Path, names: list[str], seeds: list[int], candidates
                    longer: Path) -> list[tuple]:
     """The runs `to_continue` continues, said on a line; exits with one line when the tuned
     baseline cannot be chosen, when a run has no eval (no final value), or when `longer` holds a
-    copy of another compared run (the tables
-    would measure it there: the rule continues only those runs; copies of runs not compared,
-    another seed's, are not read)."""
+    copy of another compared run (the tables would measure it there: the rule continues only
+    those runs; copies of runs not compared, another seed's, are not read)."""
     try:
         baseline, below = to_continue(out, names, seeds, candidates)
     except ValueError as e:
